@@ -1,0 +1,161 @@
+// Offload scopes: marks, saved-tensor handles, copies and prefetch.
+//
+// The engine knows tensors, devices, streams and events; it knows nothing of
+// Python, autograd hooks or transformers. The Python shim installs
+// `saved_tensors_hooks` whose pack/unpack callables call `OffloadScope::pack`
+// and `SavedHandle::unpack` through the hsoffload ops.
+//
+// Thread-safety: an OffloadScope may be used from several threads at once
+// (forward on the caller's thread, backward on autograd's device threads);
+// one mutex per scope guards its marks, records and counters. The stack of
+// *current* scopes is per thread (see `current_scope`).
+#pragma once
+
+#include "hsoffload/host_pool.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace hsoffload {
+
+// All knobs of one scope. Validated by `validate()`.
+struct OffloadConfig {
+  // Marked tensors smaller than this many bytes stay where they are.
+  int64_t min_offload_size = 1024;
+  // Copy marked CPU tensors into the host pool too (exercises the whole path
+  // on machines without an accelerator). Off: marked CPU tensors are skipped.
+  bool offload_cpu_tensors = false;
+  // Use pinned host memory for accelerator tensors (required for async copies).
+  bool pin_memory = true;
+  // Copy on side streams ordered by events. Off: copies run on the compute stream.
+  bool use_streams = true;
+  // How many offloaded tensors to bring back ahead of their unpack in backward.
+  int64_t prefetch_depth = 1;
+
+  void validate() const;
+};
+
+// Counters. Per scope, and cumulative over the process (`cumulative_stats`).
+struct OffloadStats {
+  int64_t saved_tensors_seen = 0;      // every tensor that reached pack
+  int64_t marked_tensors = 0;          // packed tensors that carried a mark
+  int64_t offloaded_tensors = 0;       // marked tensors whose data went to host (dedup: shared storage counts once)
+  int64_t restored_tensors = 0;        // unpacks of offloaded tensors
+  int64_t skipped_marked_tensors = 0;  // marked but kept in place (CPU, too small, empty, no storage)
+  int64_t offloaded_bytes = 0;         // bytes copied device -> host
+  int64_t restored_bytes = 0;          // bytes copied host -> device
+  int64_t prefetch_hits = 0;           // restores served by a prefetch issued earlier
+  int64_t wait_ns = 0;                 // host time spent inside unpack for restores that were not prefetched
+  int64_t pool_bytes = 0;              // host pool bytes held (snapshot when stats are read)
+
+  void add(const OffloadStats& other);
+};
+
+class OffloadScope;
+struct OffloadRecord;
+
+// What pack returns: either the original tensor (passthrough) or a host copy.
+// Immutable after construction except for the prefetch state in its record.
+class SavedHandle {
+ public:
+  // Returns a tensor bit-identical to the packed one (dtype, device, sizes,
+  // strides, values). May be called more than once. Raises if the original
+  // tensor was modified in place after it was packed.
+  at::Tensor unpack() const;
+  bool offloaded() const { return record_ != nullptr; }
+  // A handle that keeps `x` itself (no scope involved): what pack returns when
+  // no offload scope applies.
+  static std::shared_ptr<SavedHandle> passthrough(const at::Tensor& x);
+
+ private:
+  friend class OffloadScope;
+  SavedHandle() = default;
+  void check_version() const;
+
+  at::Tensor passthrough_;                  // defined iff not offloaded
+  std::shared_ptr<OffloadRecord> record_;   // defined iff offloaded
+  // Metadata to rebuild the tensor from the record's span.
+  at::ScalarType dtype_ = at::kFloat;
+  std::vector<int64_t> sizes_;
+  std::vector<int64_t> strides_;
+  int64_t offset_in_span_ = 0;  // elements from the start of the copied span
+  // Autograd skips its version check once saved-tensor hooks are installed; we
+  // keep the tensor's shared version counter (not the tensor) to check it.
+  std::optional<c10::VariableVersion> version_counter_;
+  uint32_t version_at_pack_ = 0;
+  std::weak_ptr<OffloadScope> scope_;
+};
+
+// One offload scope: owns marks, the index of live records, the side streams
+// and the counters. Create with `OffloadScope::create`.
+class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
+ public:
+  static std::shared_ptr<OffloadScope> create(OffloadConfig config, std::shared_ptr<HostPool> pool);
+  ~OffloadScope();
+  OffloadScope(const OffloadScope&) = delete;
+  OffloadScope& operator=(const OffloadScope&) = delete;
+
+  // Makes this scope the current one on the calling thread (scopes nest).
+  void enter();
+  // Removes this scope from the calling thread's stack and drops its marks,
+  // prefetches and index. Handles still referenced by an autograd graph keep
+  // their own host copies alive; they are freed with the graph.
+  void exit();
+  bool active() const;
+
+  // Records that `x` (this TensorImpl at its current version) is to be
+  // offloaded when packed while this scope is active.
+  void mark(const at::Tensor& x);
+  // The pack hook: decides passthrough or offload and starts the copy.
+  std::shared_ptr<SavedHandle> pack(const at::Tensor& x);
+  OffloadStats stats() const;
+  const OffloadConfig& config() const { return config_; }
+  // Number of marks and records currently tracked (for leak tests).
+  int64_t tracked_state() const;
+
+  // The scope on top of this thread's stack, or null.
+  static std::shared_ptr<OffloadScope> current();
+
+ private:
+  friend class SavedHandle;
+  OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool);
+  bool is_marked_locked(const at::Tensor& x);
+  void prune_locked();
+  std::shared_ptr<OffloadRecord> find_record_locked(const c10::StorageImpl* storage, int64_t begin, int64_t end);
+  std::shared_ptr<OffloadRecord> offload_locked(const at::Tensor& x, int64_t begin, int64_t end);
+  at::Tensor restore(const SavedHandle& handle);
+  void prefetch_before_locked(int64_t seq);
+  void start_restore_locked(OffloadRecord& record);
+  c10::Stream side_stream_locked(c10::Device device, int which);
+
+  const OffloadConfig config_;
+  const std::shared_ptr<HostPool> pool_;
+  // Shared with this scope's records so a handle can restore after the scope object is gone.
+  const std::shared_ptr<std::mutex> mutex_;
+  bool active_ = false;
+  struct Mark {
+    c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+    uint32_t version;
+  };
+  std::vector<Mark> marks_;
+  // Live records in pack order (weak: a record lives as long as its handles).
+  std::vector<std::weak_ptr<OffloadRecord>> records_;
+  int64_t next_seq_ = 0;
+  // Side streams per device index: [0] device->host, [1] host->device.
+  std::vector<std::pair<c10::Device, std::array<c10::Stream, 2>>> streams_;
+  OffloadStats stats_;
+};
+
+// Process-wide sum of the counters of every scope (atomic snapshot).
+OffloadStats cumulative_stats();
+
+}  // namespace hsoffload

@@ -1,0 +1,441 @@
+#include "hsoffload/scope.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+namespace hsoffload {
+
+// One host copy of a span of one storage. Shared by every handle whose tensor
+// lies inside that span (tensors saved twice, views of one storage), and freed
+// with the last of them, i.e. with the autograd graph that saved it.
+struct OffloadRecord {
+  int64_t seq = 0;  // pack order within the scope
+  c10::Device device{c10::kCPU};
+  c10::weak_intrusive_ptr<c10::StorageImpl> source{c10::intrusive_ptr<c10::StorageImpl>()};
+  uint32_t source_version = 0;
+  int64_t begin = 0;  // byte offsets of the span in the source storage
+  int64_t end = 0;
+  HostBlock host;
+  std::optional<c10::Stream> d2h_stream;
+  std::optional<c10::Stream> h2d_stream;
+  std::shared_ptr<c10::Event> d2h_done;  // null when the copy was synchronous
+  // Restore state, guarded by `mutex`.
+  at::Tensor prefetched;  // device bytes of a restore started ahead of its unpack
+  std::shared_ptr<c10::Event> h2d_done;
+  c10::weak_intrusive_ptr<c10::StorageImpl> restored{c10::intrusive_ptr<c10::StorageImpl>()};  // last restore, while someone holds it
+  std::shared_ptr<std::mutex> mutex;  // the owning scope's mutex (outlives the scope)
+  std::weak_ptr<OffloadScope> scope;
+  bool use_streams = true;
+
+  int64_t bytes() const { return end - begin; }
+};
+
+namespace {
+
+// Cumulative counters of all scopes in the process: a process-wide total is
+// the point of them. Guarded by their own mutex.
+std::mutex& cumulative_mutex() {
+  static std::mutex m;
+  return m;
+}
+OffloadStats& cumulative_locked() {
+  static OffloadStats s;
+  return s;
+}
+
+// The stack of current scopes on this thread. Thread-local because the mark op
+// (`mark_hidden_state(x)`) carries no scope argument: it applies to the scope
+// the calling thread entered, and scopes on other threads are independent.
+thread_local std::vector<std::shared_ptr<OffloadScope>> tls_scopes;
+
+// [begin, end) byte range of the storage that holds every element of `x`.
+std::pair<int64_t, int64_t> storage_span(const at::Tensor& x) {
+  const int64_t itemsize = static_cast<int64_t>(x.element_size());
+  int64_t last = 0;  // offset of the last element relative to the first, in elements
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    last += (x.size(d) - 1) * x.stride(d);
+  }
+  const int64_t begin = x.storage_offset() * itemsize;
+  return {begin, begin + (last + 1) * itemsize};
+}
+
+// A uint8 tensor aliasing bytes [begin, end) of `storage`.
+at::Tensor byte_view(const c10::Storage& storage, c10::Device device, int64_t begin, int64_t end) {
+  at::Tensor bytes = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device));
+  bytes.set_(storage, begin, {end - begin}, {1});
+  return bytes;
+}
+
+uint32_t version_of(const at::Tensor& x) {
+  const auto& vc = x.unsafeGetTensorImpl()->version_counter();
+  return vc.enabled() ? vc.current_version() : 0;
+}
+
+void count(OffloadStats& local, int64_t OffloadStats::*field, int64_t n) {
+  local.*field += n;
+  std::lock_guard<std::mutex> lock(cumulative_mutex());
+  cumulative_locked().*field += n;
+}
+
+}  // namespace
+
+void OffloadConfig::validate() const {
+  TORCH_CHECK_VALUE(min_offload_size >= 0, "hsoffload: min_offload_size must be >= 0 bytes, got ", min_offload_size);
+  TORCH_CHECK_VALUE(prefetch_depth >= 0, "hsoffload: prefetch_depth must be >= 0, got ", prefetch_depth);
+}
+
+void OffloadStats::add(const OffloadStats& o) {
+  saved_tensors_seen += o.saved_tensors_seen;
+  marked_tensors += o.marked_tensors;
+  offloaded_tensors += o.offloaded_tensors;
+  restored_tensors += o.restored_tensors;
+  skipped_marked_tensors += o.skipped_marked_tensors;
+  offloaded_bytes += o.offloaded_bytes;
+  restored_bytes += o.restored_bytes;
+  prefetch_hits += o.prefetch_hits;
+  wait_ns += o.wait_ns;
+}
+
+OffloadStats cumulative_stats() {
+  std::lock_guard<std::mutex> lock(cumulative_mutex());
+  OffloadStats s = cumulative_locked();
+  s.pool_bytes = global_host_pool()->stats().held_bytes;
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// OffloadScope
+
+std::shared_ptr<OffloadScope> OffloadScope::create(OffloadConfig config, std::shared_ptr<HostPool> pool) {
+  config.validate();
+  TORCH_CHECK_VALUE(pool != nullptr, "hsoffload: OffloadScope needs a host pool");
+  return std::shared_ptr<OffloadScope>(new OffloadScope(config, std::move(pool)));  // private ctor
+}
+
+OffloadScope::OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool)
+    : config_(config), pool_(std::move(pool)), mutex_(std::make_shared<std::mutex>()) {}
+
+OffloadScope::~OffloadScope() = default;
+
+void OffloadScope::enter() {
+  {
+    std::lock_guard<std::mutex> lock(*mutex_);
+    active_ = true;
+  }
+  tls_scopes.push_back(shared_from_this());
+}
+
+void OffloadScope::exit() {
+  auto it = std::find(tls_scopes.rbegin(), tls_scopes.rend(), shared_from_this());
+  TORCH_CHECK(it != tls_scopes.rend(),
+              "hsoffload: exiting an offload scope that this thread did not enter; enter and exit a scope on the "
+              "same thread (each thread needs its own scope)");
+  tls_scopes.erase(std::next(it).base());
+  std::lock_guard<std::mutex> lock(*mutex_);
+  active_ = false;
+  marks_.clear();
+  prune_locked();
+}
+
+bool OffloadScope::active() const {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  return active_;
+}
+
+std::shared_ptr<OffloadScope> OffloadScope::current() {
+  return tls_scopes.empty() ? nullptr : tls_scopes.back();
+}
+
+void OffloadScope::mark(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.defined(), "mark_hidden_state: x is an undefined tensor; pass the layer's hidden_states tensor");
+  if (!x.has_storage() || x.is_meta()) {
+    return;  // fake/meta tensors while tracing, sparse or nested tensors: nothing to offload
+  }
+  std::lock_guard<std::mutex> lock(*mutex_);
+  if (!active_) {
+    return;
+  }
+  prune_locked();
+  const uint32_t version = version_of(x);
+  for (const auto& m : marks_) {
+    if (m.version == version && m.impl.lock().get() == x.unsafeGetTensorImpl()) {
+      return;  // marked already
+    }
+  }
+  marks_.push_back(Mark{c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr()), version});
+}
+
+bool OffloadScope::is_marked_locked(const at::Tensor& x) {
+  const uint32_t version = version_of(x);
+  for (const auto& m : marks_) {
+    if (m.version == version && m.impl.lock().get() == x.unsafeGetTensorImpl()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void OffloadScope::prune_locked() {
+  marks_.erase(std::remove_if(marks_.begin(), marks_.end(), [](const Mark& m) { return m.impl.expired(); }),
+               marks_.end());
+  records_.erase(std::remove_if(records_.begin(), records_.end(),
+                                [](const std::weak_ptr<OffloadRecord>& r) { return r.expired(); }),
+                 records_.end());
+}
+
+int64_t OffloadScope::tracked_state() const {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  int64_t n = 0;
+  for (const auto& m : marks_) n += m.impl.expired() ? 0 : 1;
+  for (const auto& r : records_) n += r.expired() ? 0 : 1;
+  return n;
+}
+
+OffloadStats OffloadScope::stats() const {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  OffloadStats s = stats_;
+  s.pool_bytes = pool_->stats().held_bytes;
+  return s;
+}
+
+c10::Stream OffloadScope::side_stream_locked(c10::Device device, int which) {
+  for (const auto& entry : streams_) {
+    if (entry.first == device) {
+      return entry.second[which];
+    }
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  streams_.emplace_back(device, std::array<c10::Stream, 2>{impl.getStreamFromGlobalPool(device, false),
+                                                          impl.getStreamFromGlobalPool(device, false)});
+  return streams_.back().second[which];
+}
+
+std::shared_ptr<SavedHandle> SavedHandle::passthrough(const at::Tensor& x) {
+  std::shared_ptr<SavedHandle> handle(new SavedHandle());  // private ctor
+  if (x.defined() && x.unsafeGetTensorImpl()->version_counter().enabled()) {
+    handle->version_counter_ = x.unsafeGetTensorImpl()->version_counter();
+    handle->version_at_pack_ = version_of(x);
+  }
+  // A tensor with a grad_fn may be the output of the node saving it; holding
+  // it (and so its grad_fn) from the node would be a reference cycle, so keep
+  // a shallow alias that shares storage and version counter.
+  handle->passthrough_ = (x.defined() && x.requires_grad() && !x.is_leaf()) ? x.tensor_data() : x;
+  return handle;
+}
+
+std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
+  auto handle = SavedHandle::passthrough(x);
+  handle->scope_ = weak_from_this();
+  std::lock_guard<std::mutex> lock(*mutex_);
+  count(stats_, &OffloadStats::saved_tensors_seen, 1);
+  const bool marked = x.defined() && !marks_.empty() && is_marked_locked(x);
+  if (marked) {
+    count(stats_, &OffloadStats::marked_tensors, 1);
+    const bool device_ok = x.has_storage() && !x.is_meta() && (!x.is_cpu() || config_.offload_cpu_tensors);
+    const auto span = device_ok ? storage_span(x) : std::make_pair<int64_t, int64_t>(0, 0);
+    if (device_ok && x.numel() > 0 && span.second - span.first >= config_.min_offload_size) {
+      auto record = find_record_locked(x.storage().unsafeGetStorageImpl(), span.first, span.second);
+      if (record && (record->source_version != version_of(x) ||
+                     (span.first - record->begin) % static_cast<int64_t>(x.element_size()) != 0)) {
+        record = nullptr;  // same storage but new contents (or misaligned for this dtype): copy again
+      }
+      if (!record) {
+        record = offload_locked(x, span.first, span.second);
+      }
+      handle->passthrough_ = at::Tensor();  // the record replaces the device tensor
+      handle->record_ = std::move(record);
+      handle->dtype_ = x.scalar_type();
+      handle->sizes_ = x.sizes().vec();
+      handle->strides_ = x.strides().vec();
+      handle->offset_in_span_ = (span.first - handle->record_->begin) / static_cast<int64_t>(x.element_size());
+      return handle;
+    }
+    count(stats_, &OffloadStats::skipped_marked_tensors, 1);
+  }
+  return handle;
+}
+
+std::shared_ptr<OffloadRecord> OffloadScope::find_record_locked(const c10::StorageImpl* storage, int64_t begin,
+                                                                int64_t end) {
+  for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
+    auto record = it->lock();
+    if (record && record->begin <= begin && end <= record->end && record->source.lock().get() == storage) {
+      return record;
+    }
+  }
+  return nullptr;
+}
+
+std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x, int64_t begin, int64_t end) {
+  auto record = std::make_shared<OffloadRecord>();
+  record->seq = next_seq_++;
+  record->device = x.device();
+  record->source = x.storage().getWeakStorageImpl();
+  record->source_version = version_of(x);
+  record->begin = begin;
+  record->end = end;
+  record->mutex = mutex_;
+  record->scope = weak_from_this();
+  record->use_streams = config_.use_streams;
+  const int64_t bytes = end - begin;
+  const bool on_cpu = x.is_cpu();
+  const bool pinned = !on_cpu && config_.pin_memory;
+  record->host = pool_->acquire(bytes, pinned);
+  at::Tensor dst = record->host.view(bytes);
+  at::Tensor src = byte_view(x.storage(), x.device(), begin, end);
+  if (on_cpu) {
+    dst.copy_(src);
+  } else {
+    c10::impl::VirtualGuardImpl impl(x.device().type());
+    const c10::Stream compute = impl.getStream(x.device());  // current at pack time, never cached
+    c10::Stream copy_stream = compute;
+    if (config_.use_streams) {
+      copy_stream = side_stream_locked(x.device(), 0);
+      c10::Event produced(x.device().type());
+      produced.record(compute);
+      produced.block(copy_stream);  // the copy reads x only after the compute stream wrote it
+      record->d2h_stream = copy_stream;
+    }
+    {
+      c10::StreamGuard guard(copy_stream);
+      dst.copy_(src, /*non_blocking=*/pinned);
+    }
+    if (copy_stream != compute) {
+      // The device block must not be reused by the compute stream before the
+      // copy has read it: tell the allocator about the side-stream use, so
+      // that dropping the last reference frees it without a host block.
+      impl.recordDataPtrOnStream(x.storage().data_ptr(), copy_stream);
+    }
+    record->d2h_done = std::make_shared<c10::Event>(x.device().type());
+    record->d2h_done->record(copy_stream);
+    record->host.record_use(copy_stream);
+  }
+  records_.push_back(record);
+  count(stats_, &OffloadStats::offloaded_tensors, 1);
+  count(stats_, &OffloadStats::offloaded_bytes, bytes);
+  return record;
+}
+
+void OffloadScope::start_restore_locked(OffloadRecord& record) {
+  // Allocated while the compute stream is current so the block belongs to its
+  // pool; the side stream waits for the allocation point and for the D2H copy.
+  const int64_t bytes = record.bytes();
+  at::Tensor dev = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(record.device));
+  at::Tensor src = record.host.view(bytes);
+  if (record.device.is_cpu()) {
+    dev.copy_(src);
+    record.prefetched = dev;
+    record.h2d_done = nullptr;
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(record.device.type());
+  const c10::Stream compute = impl.getStream(record.device);
+  c10::Stream copy_stream = compute;
+  if (record.use_streams) {
+    copy_stream = side_stream_locked(record.device, 1);
+    c10::Event allocated(record.device.type());
+    allocated.record(compute);
+    allocated.block(copy_stream);
+  }
+  if (record.d2h_done) {
+    record.d2h_done->block(copy_stream);  // host bytes are complete before we read them
+  }
+  {
+    c10::StreamGuard guard(copy_stream);
+    dev.copy_(src, /*non_blocking=*/src.is_pinned());
+  }
+  if (copy_stream != compute) {
+    impl.recordDataPtrOnStream(dev.storage().data_ptr(), copy_stream);
+  }
+  record.host.record_use(copy_stream);
+  record.h2d_done = std::make_shared<c10::Event>(record.device.type());
+  record.h2d_done->record(copy_stream);
+  record.prefetched = dev;
+}
+
+void OffloadScope::prefetch_before_locked(int64_t seq) {
+  int64_t issued = 0;
+  for (auto it = records_.rbegin(); it != records_.rend() && issued < config_.prefetch_depth; ++it) {
+    auto record = it->lock();
+    if (!record || record->seq >= seq) {
+      continue;
+    }
+    ++issued;
+    if (record->prefetched.defined() || !record->restored.expired()) {
+      continue;
+    }
+    start_restore_locked(*record);
+  }
+}
+
+at::Tensor OffloadScope::restore(const SavedHandle& handle) {
+  OffloadRecord& record = *handle.record_;
+  std::lock_guard<std::mutex> lock(*record.mutex);
+  at::Tensor dev;
+  if (auto alive = record.restored.lock()) {
+    // Restored earlier and still held (a second unpack of a shared storage).
+    dev = byte_view(c10::Storage(std::move(alive)), record.device, 0, record.bytes());
+  } else {
+    const bool hit = record.prefetched.defined();
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!hit) {
+      start_restore_locked(record);
+    }
+    dev = std::move(record.prefetched);
+    record.prefetched = at::Tensor();
+    if (record.h2d_done) {
+      c10::impl::VirtualGuardImpl impl(record.device.type());
+      record.h2d_done->block(impl.getStream(record.device));  // device-side wait, no host sync
+      record.h2d_done = nullptr;
+    }
+    record.restored = dev.storage().getWeakStorageImpl();
+    count(stats_, hit ? &OffloadStats::prefetch_hits : &OffloadStats::wait_ns,
+          hit ? 1 : std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    count(stats_, &OffloadStats::restored_bytes, record.bytes());
+    if (config_.prefetch_depth > 0) {
+      prefetch_before_locked(record.seq);
+    }
+  }
+  count(stats_, &OffloadStats::restored_tensors, 1);
+  at::Tensor out = at::empty({0}, at::TensorOptions().dtype(handle.dtype_).device(record.device));
+  out.set_(dev.storage(), handle.offset_in_span_, handle.sizes_, handle.strides_);
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// SavedHandle
+
+void SavedHandle::check_version() const {
+  if (!version_counter_) {
+    return;
+  }
+  const uint32_t now = version_counter_->current_version();
+  TORCH_CHECK(now == version_at_pack_,
+              "one of the variables needed for gradient computation has been modified by an inplace operation "
+              "(detected by hsoffload's unpack hook): is at version ",
+              now, "; expected version ", version_at_pack_,
+              " instead. Hint: do not modify a tensor in place after autograd saved it, or clone it first.");
+}
+
+at::Tensor SavedHandle::unpack() const {
+  check_version();
+  if (!record_) {
+    return passthrough_;
+  }
+  if (auto scope = scope_.lock()) {
+    return scope->restore(*this);
+  }
+  // The scope object is gone but the graph still holds this handle: restore
+  // through a temporary scope so the same code path (and counters) apply.
+  auto orphan = OffloadScope::create(OffloadConfig{}, global_host_pool());
+  return orphan->restore(*this);
+}
+
+}  // namespace hsoffload

@@ -1,0 +1,32 @@
+// Kernels bound in registration.cpp. Argument names match the schemas.
+#pragma once
+
+#include "holders.h"
+
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+namespace hsoffload::ops {
+
+at::Tensor& mark_hidden_state(at::Tensor& x);
+c10::intrusive_ptr<SavedHandleHolder> offload_pack(const at::Tensor& x,
+                                                   const std::optional<c10::intrusive_ptr<OffloadScopeHolder>>& scope);
+at::Tensor offload_unpack(const c10::intrusive_ptr<SavedHandleHolder>& handle);
+
+c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
+                                                  bool use_streams, int64_t prefetch_depth);
+std::vector<int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
+std::vector<int64_t> process_stats();
+std::vector<int64_t> pool_stats();
+void set_pool_limit(int64_t max_bytes);
+int64_t pool_limit();
+void empty_pool();
+
+// Defined in skip_init_ops.cpp (FSDP RAM-efficient loading).
+c10::List<bool> skip_init_non_rank0(const std::vector<at::Tensor>& tensors, int64_t rank, int64_t local_rank,
+                                      bool fsdp_enabled, bool cpu_ram_efficient_loading);
+
+}  // namespace hsoffload::ops

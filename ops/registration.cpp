@@ -1,0 +1,71 @@
+// The single definition site of the hsoffload op library. Every schema is
+// documented in docs/ops.md; argument names are API.
+#include "holders.h"
+#include "ops.h"
+
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+namespace hsoffload::ops {
+namespace {
+
+// Order of the integer lists returned by `stats()`; mirrored by
+// `hsoffload.OffloadStats` in Python.
+constexpr const char* kStatsDoc =
+    "saved_tensors_seen, marked_tensors, offloaded_tensors, restored_tensors, skipped_marked_tensors, "
+    "offloaded_bytes, restored_bytes, prefetch_hits, wait_ns, pool_bytes";
+
+}  // namespace
+
+TORCH_LIBRARY(hsoffload, m) {
+  // One offload scope: configuration, marks, counters. Python wraps it in a
+  // context manager that installs saved-tensor hooks calling the ops below.
+  m.class_<OffloadScopeHolder>("OffloadScope")
+      .def(torch::init(&make_scope), kStatsDoc,
+           {torch::arg("min_offload_size") = 1024, torch::arg("offload_cpu_tensors") = false,
+            torch::arg("pin_memory") = true, torch::arg("use_streams") = true, torch::arg("prefetch_depth") = 1})
+      .def("enter", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->enter(); })
+      .def("exit", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->exit(); })
+      .def("active", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->active(); })
+      .def("stats", &scope_stats)
+      .def("tracked_state",
+           [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->tracked_state(); })
+      .def_static("process_stats", &process_stats)
+      .def_static("pool_stats", &pool_stats)
+      .def_static("set_pool_limit", &set_pool_limit)
+      .def_static("pool_limit", &pool_limit)
+      .def_static("empty_pool", &empty_pool);
+
+  // What offload_pack returns: the saved tensor itself or its host copy.
+  m.class_<SavedHandleHolder>("SavedHandle")
+      .def("offloaded", [](const c10::intrusive_ptr<SavedHandleHolder>& self) { return self->handle->offloaded(); });
+
+  // Returns x itself; marks x for offload when autograd saves it while an
+  // offload scope is active on this thread (no-op without one).
+  // Note on (a!): marking writes x's offload state. Declaring it as a write is
+  // what keeps a call whose result is unused alive through TorchScript's dead
+  // code elimination; the kernel is CompositeImplicitAutograd, so autograd and
+  // torch.compile see straight through it (it traces as identity).
+  m.def("mark_hidden_state(Tensor(a!) x) -> Tensor(a!)", &mark_hidden_state);
+
+  // The pack hook: decides passthrough or offload for x and starts the copy.
+  // `scope` defaults to the scope current on this thread; with none, x is kept.
+  m.def(
+      "offload_pack(Tensor x, __torch__.torch.classes.hsoffload.OffloadScope? scope=None) -> "
+      "__torch__.torch.classes.hsoffload.SavedHandle",
+      &offload_pack);
+
+  // The unpack hook: returns a tensor bit-identical to what was packed (waits
+  // on the restore's event, prefetches the previous offloaded tensor).
+  m.def("offload_unpack(__torch__.torch.classes.hsoffload.SavedHandle handle) -> Tensor", &offload_unpack);
+
+  // FSDP RAM-efficient loading: returns, per tensor, whether this process must
+  // skip initialising it (ranks other than local rank 0 under FSDP with
+  // cpu_ram_efficient_loading), and records the decision. See docs/ops.md.
+  m.def(
+      "skip_init_non_rank0(Tensor[] tensors, int rank, int local_rank, bool fsdp_enabled, "
+      "bool cpu_ram_efficient_loading) -> bool[]",
+      &skip_init_non_rank0);
+}
+
+}  // namespace hsoffload::ops

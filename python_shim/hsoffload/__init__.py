@@ -1,0 +1,43 @@
+"""hsoffload: hidden-state offload for gradient-checkpointed training, and FSDP RAM-efficient loading.
+
+`import hsoffload` loads the op library (namespace `torch.ops.hsoffload`) once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ._loader import load_library
+
+logger = logging.getLogger("hsoffload")
+logger.addHandler(logging.NullHandler())
+
+__version__ = "0.1.0"
+
+
+def _ensure_loaded() -> None:
+    load_library()
+
+
+_ensure_loaded()
+
+from .scope import (  # noqa: E402  (the ops must be registered first)
+    OffloadConfig,
+    OffloadScope,
+    OffloadStats,
+    PoolStats,
+    cumulative_stats,
+    empty_pool,
+    pool_stats,
+)
+
+__all__ = [
+    "OffloadConfig",
+    "OffloadScope",
+    "OffloadStats",
+    "PoolStats",
+    "cumulative_stats",
+    "empty_pool",
+    "load_library",
+    "pool_stats",
+]

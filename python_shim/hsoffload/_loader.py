@@ -1,0 +1,89 @@
+"""Find and load the hsoffload op library once, with an actionable error on mismatch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("hsoffload")
+
+_LIB_NAME = "libhsoffload.so"
+_PKG_DIR = Path(__file__).resolve().parent
+_REPO_DIR = _PKG_DIR.parent.parent
+REBUILD_COMMAND = "pip install --no-build-isolation --force-reinstall --no-deps .  (in the hsoffload checkout), or: make build"
+
+_loaded_path: Path | None = None
+
+
+def _candidates() -> list[Path]:
+    paths: list[Path] = []
+    env = os.environ.get("HSOFFLOAD_LIBRARY")
+    if env:
+        paths.append(Path(env))
+    paths.append(_PKG_DIR / _LIB_NAME)
+    paths.append(_REPO_DIR / "build" / _LIB_NAME)  # running from a source checkout
+    return paths
+
+
+def build_info(library: Path) -> dict | None:
+    """The torch/CUDA versions the library at `library` was built against, if recorded."""
+    for info in (library.parent / "_build_info.json", _PKG_DIR / "_build_info.json"):
+        if info.is_file():
+            try:
+                return json.loads(info.read_text())
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def _describe(info: dict | None) -> str:
+    if not info:
+        return "an unknown torch (no _build_info.json beside the library)"
+    return f"torch {info.get('torch')} (CUDA {info.get('cuda') or 'none'})"
+
+
+def _running() -> str:
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})"
+
+
+def _same_build(info: dict | None) -> bool:
+    if not info:
+        return True
+    built = str(info.get("torch", "")).split("+")[0]
+    running = torch.__version__.split("+")[0]
+    return built == running and (info.get("cuda") or None) == (torch.version.cuda or None)
+
+
+def load_library() -> Path:
+    """Load libhsoffload.so into this process (idempotent) and return its path."""
+    global _loaded_path  # the process-wide fact "the library is loaded"; torch.ops has no unload
+    if _loaded_path is not None:
+        return _loaded_path
+    candidates = _candidates()
+    library = next((p for p in candidates if p.is_file()), None)
+    if library is None:
+        raise ImportError(
+            "hsoffload: the op library libhsoffload.so was not found (looked in: "
+            + ", ".join(str(p) for p in candidates)
+            + f"). Running {_running()}. Build it with: {REBUILD_COMMAND}"
+        )
+    info = build_info(library)
+    if not _same_build(info):
+        raise ImportError(
+            f"hsoffload: {library} was built for {_describe(info)}, running {_running()}. "
+            f"Rebuild it against the running torch with: {REBUILD_COMMAND}"
+        )
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as exc:
+        raise ImportError(
+            f"hsoffload: loading {library} failed ({exc}). It was built for {_describe(info)}, running {_running()}. "
+            f"Rebuild it with: {REBUILD_COMMAND}"
+        ) from exc
+    _loaded_path = library
+    logger.debug("hsoffload: loaded %s (built for %s)", library, _describe(info))
+    return library

@@ -1,0 +1,175 @@
+"""Offload scope: a context manager over saved_tensors_hooks that dispatches into the hsoffload ops."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from types import TracebackType
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger("hsoffload")
+
+_STAT_FIELDS = (
+    "saved_tensors_seen",
+    "marked_tensors",
+    "offloaded_tensors",
+    "restored_tensors",
+    "skipped_marked_tensors",
+    "offloaded_bytes",
+    "restored_bytes",
+    "prefetch_hits",
+    "wait_ns",
+    "pool_bytes",
+)
+_POOL_FIELDS = ("held_bytes", "in_use_bytes", "cached_bytes", "peak_held_bytes", "allocations", "reuses", "unpooled")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadStats:
+    """Counters of one scope (or of the process, see `cumulative_stats`)."""
+
+    saved_tensors_seen: int = 0
+    marked_tensors: int = 0
+    offloaded_tensors: int = 0
+    restored_tensors: int = 0
+    skipped_marked_tensors: int = 0
+    offloaded_bytes: int = 0
+    restored_bytes: int = 0
+    prefetch_hits: int = 0
+    wait_ns: int = 0
+    pool_bytes: int = 0
+
+    @classmethod
+    def from_list(cls, values: list[int]) -> "OffloadStats":
+        return cls(**dict(zip(_STAT_FIELDS, values)))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    """What the process-wide host pool holds."""
+
+    held_bytes: int = 0
+    in_use_bytes: int = 0
+    cached_bytes: int = 0
+    peak_held_bytes: int = 0
+    allocations: int = 0
+    reuses: int = 0
+    unpooled: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """Every knob of an offload scope, validated once."""
+
+    min_offload_size: int = 1024
+    offload_cpu_tensors: bool = False
+    pin_memory: bool = True
+    use_streams: bool = True
+    prefetch_depth: int = 1
+    max_pool_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("min_offload_size", "prefetch_depth"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"hsoffload: {name} must be a non-negative int, got {value!r}")
+        for name in ("offload_cpu_tensors", "pin_memory", "use_streams"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"hsoffload: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.max_pool_bytes is not None and (not isinstance(self.max_pool_bytes, int) or self.max_pool_bytes < 0):
+            raise ValueError(f"hsoffload: max_pool_bytes must be None or a non-negative int, got {self.max_pool_bytes!r}")
+
+
+class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
+    """Offloads marked saved tensors to host memory while active.
+
+    Use as a context manager around forward (and, usually, backward). Tensors marked with
+    `torch.ops.hsoffload.mark_hidden_state` (or `scope.mark`) on this thread while the scope is
+    active are copied to host when autograd saves them and restored in backward; every other
+    saved tensor passes through untouched. Scopes are per thread and nest. A scope may be entered
+    again (one step after another); `stats` then accumulates over its uses.
+    """
+
+    def __init__(self, config: Optional[OffloadConfig] = None, **kwargs: Any) -> None:
+        from . import _ensure_loaded
+
+        _ensure_loaded()
+        if config is not None and kwargs:
+            raise TypeError("hsoffload: pass either config= or keyword options, not both")
+        self.config = config if config is not None else OffloadConfig(**kwargs)
+        if self.config.max_pool_bytes is not None:
+            torch.classes.hsoffload.OffloadScope.set_pool_limit(self.config.max_pool_bytes)
+        c = self.config
+        self._scope = torch.classes.hsoffload.OffloadScope(
+            c.min_offload_size, c.offload_cpu_tensors, c.pin_memory, c.use_streams, c.prefetch_depth
+        )
+        scope = self._scope
+        pack_op = torch.ops.hsoffload.offload_pack.default
+        unpack_op = torch.ops.hsoffload.offload_unpack.default
+
+        def pack(x: torch.Tensor) -> Any:
+            return pack_op(x, scope)
+
+        super().__init__(pack, unpack_op)
+
+    def __enter__(self) -> "OffloadScope":
+        self._scope.enter()
+        try:
+            super().__enter__()
+        except BaseException:
+            self._scope.exit()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            self._scope.exit()
+
+    def mark(self, x: torch.Tensor) -> torch.Tensor:
+        """Mark `x` for offload (same as torch.ops.hsoffload.mark_hidden_state while this scope is current)."""
+        return torch.ops.hsoffload.mark_hidden_state(x)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._scope.active())
+
+    @property
+    def stats(self) -> OffloadStats:
+        return OffloadStats.from_list(self._scope.stats())
+
+    def tracked_state(self) -> int:
+        """Marks and host copies this scope still tracks (0 once graphs are freed)."""
+        return int(self._scope.tracked_state())
+
+
+def cumulative_stats() -> OffloadStats:
+    """Counters summed over every scope in this process."""
+    from . import _ensure_loaded
+
+    _ensure_loaded()
+    return OffloadStats.from_list(torch.classes.hsoffload.OffloadScope.process_stats())
+
+
+def pool_stats() -> PoolStats:
+    """What the process-wide host pool holds now."""
+    from . import _ensure_loaded
+
+    _ensure_loaded()
+    return PoolStats(**dict(zip(_POOL_FIELDS, torch.classes.hsoffload.OffloadScope.pool_stats())))
+
+
+def empty_pool() -> None:
+    """Free every idle host buffer of the pool."""
+    from . import _ensure_loaded
+
+    _ensure_loaded()
+    torch.classes.hsoffload.OffloadScope.empty_pool()
