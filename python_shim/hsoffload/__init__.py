@@ -30,9 +30,15 @@ from .scope import (  # noqa: E402  (the ops must be registered first)
     empty_pool,
     pool_stats,
 )
+from .patch import check_model, is_patched, offload_hidden_states, patch, unpatch  # noqa: E402
 
 __all__ = [
     "OffloadConfig",
+    "check_model",
+    "is_patched",
+    "offload_hidden_states",
+    "patch",
+    "unpatch",
     "OffloadScope",
     "OffloadStats",
     "PoolStats",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from types import TracebackType
 from typing import Any, Optional
 
@@ -23,6 +24,17 @@ _STAT_FIELDS = (
     "wait_ns",
     "pool_bytes",
 )
+# Python-side mirror of the engine's per-thread scope stack, so the transformers
+# patch can ask "is a scope active on this thread?" without a dispatcher call.
+_tls = threading.local()
+
+
+def current_scope() -> Optional["OffloadScope"]:
+    """The innermost offload scope entered on this thread, or None."""
+    stack = getattr(_tls, "stack", None)
+    return stack[-1] if stack else None
+
+
 _POOL_FIELDS = ("held_bytes", "in_use_bytes", "cached_bytes", "peak_held_bytes", "allocations", "reuses", "unpooled")
 
 
@@ -82,6 +94,9 @@ class OffloadConfig:
             raise ValueError(f"hsoffload: max_pool_bytes must be None or a non-negative int, got {self.max_pool_bytes!r}")
 
 
+_warned_unmarked = threading.Event()  # "log once" flag, process-wide by intent
+
+
 class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
     """Offloads marked saved tensors to host memory while active.
 
@@ -121,6 +136,9 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         except BaseException:
             self._scope.exit()
             raise
+        if not hasattr(_tls, "stack"):
+            _tls.stack = []
+        _tls.stack.append(self)
         return self
 
     def __exit__(
@@ -133,6 +151,24 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             super().__exit__(exc_type, exc, tb)
         finally:
             self._scope.exit()
+            stack = getattr(_tls, "stack", [])
+            if self in stack:
+                stack.reverse()
+                stack.remove(self)
+                stack.reverse()
+        if exc_type is None:
+            self._report_if_ineffective()
+
+    def _report_if_ineffective(self) -> None:
+        stats = self.stats
+        if stats.saved_tensors_seen > 0 and stats.marked_tensors == 0 and not _warned_unmarked.is_set():
+            _warned_unmarked.set()
+            logger.warning(
+                "hsoffload: an offload scope saw %d saved tensors but none was marked, so nothing was offloaded. "
+                "Mark hidden states with torch.ops.hsoffload.mark_hidden_state, or call hsoffload.patch() and "
+                "enable gradient checkpointing on a transformers model (model.gradient_checkpointing_enable()).",
+                stats.saved_tensors_seen,
+            )
 
     def mark(self, x: torch.Tensor) -> torch.Tensor:
         """Mark `x` for offload (same as torch.ops.hsoffload.mark_hidden_state while this scope is current)."""

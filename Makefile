@@ -1,0 +1,51 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv on a
+# fresh machine (pinned dependencies), build the op library and run.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_REQ ?= requirements/torch.txt
+STAMP := $(VENV)/.deps-stamp
+PYTEST_ARGS ?=
+
+.PHONY: all venv build install test test-cpp demo bench gpu-check clean
+
+all: test
+
+$(STAMP): requirements/dev.txt $(TORCH_REQ)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -r $(TORCH_REQ)
+	$(PIP) install -q -r requirements/dev.txt
+	bash tests/install_extra_transformers.sh $(PY)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Build and install the package (CMake through scikit-build-core) into .venv.
+install: $(STAMP)
+	$(PIP) install -q --no-build-isolation --no-deps .
+
+build: install
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# C++ engine unit tests (ctest); also run by tests/test_cpp_engine.py.
+test-cpp: $(STAMP)
+	cmake -S . -B build/cpp -G Ninja -DHSOFFLOAD_BUILD_TESTS=ON -DHSOFFLOAD_PYTHON=$(abspath $(PY))
+	cmake --build build/cpp
+	ctest --test-dir build/cpp --output-on-failure
+
+demo: install
+	$(VENV)/bin/hsoffload demo
+
+bench: install
+	$(VENV)/bin/hsoffload bench
+
+# On a GPU machine (no network; torch, nvcc, cmake, ninja present): build, run GPU tests and the GPU suite.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf build _skbuild *.egg-info
