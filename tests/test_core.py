@@ -1,0 +1,415 @@
+"""Core offload semantics on CPU with offload_cpu_tensors=True, so data really moves through the host pool."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import hsoffload
+from hsoffload import OffloadScope
+
+mark = torch.ops.hsoffload.mark_hidden_state
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.fc1 = torch.nn.Linear(dim, 2 * dim)
+        self.fc2 = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class Stack(torch.nn.Module):
+    """A tiny decoder-like stack: each block checkpointed, its input marked."""
+
+    def __init__(self, dim: int = 32, layers: int = 3, reentrant: bool = False) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(dim, dim)
+        self.blocks = torch.nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = checkpoint(block, mark(h), use_reentrant=self.reentrant)
+        return self.head(h).pow(2).mean()
+
+
+def _train(model: torch.nn.Module, inputs: list[torch.Tensor], scope_kwargs: dict | None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads, stats = [], [], []
+    for x in inputs:
+        opt.zero_grad()
+        if scope_kwargs is None:
+            loss = model(x)
+            loss.backward()
+        else:
+            with OffloadScope(**scope_kwargs) as scope:
+                loss = model(x)
+                loss.backward()
+            stats.append(scope.stats)
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return losses, grads, stats
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_bit_identical_over_three_steps(reentrant, cpu_scope_kwargs):
+    torch.manual_seed(0)
+    ref = Stack(reentrant=reentrant)
+    off = copy.deepcopy(ref)
+    inputs = [torch.randn(4, 8, 32) for _ in range(3)]
+    ref_losses, ref_grads, _ = _train(ref, inputs, None)
+    losses, grads, stats = _train(off, inputs, cpu_scope_kwargs)
+    for a, b in zip(ref_losses, losses):
+        assert torch.equal(a, b)
+    for ga, gb in zip(ref_grads, grads):
+        assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+    for s in stats:
+        assert s.marked_tensors == 3 and s.offloaded_tensors == 3 and s.restored_tensors == 3
+        assert s.offloaded_bytes == 3 * 4 * 8 * 32 * 4 == s.restored_bytes
+        assert s.prefetch_hits == 2  # the last block's input is restored on demand, the rest prefetched
+
+
+def test_cpu_tensors_skipped_by_default():
+    model = Stack()
+    with OffloadScope(min_offload_size=0) as scope:
+        model(torch.randn(2, 4, 32)).backward()
+    s = scope.stats
+    assert s.marked_tensors == 3 and s.skipped_marked_tensors == 3 and s.offloaded_tensors == 0
+
+
+def test_min_offload_size_skips_small(cpu_scope_kwargs):
+    model = Stack()
+    kwargs = dict(cpu_scope_kwargs, min_offload_size=2 * 4 * 32 * 4 + 1)
+    with OffloadScope(**kwargs) as scope:
+        model(torch.randn(2, 4, 32)).backward()
+    assert scope.stats.skipped_marked_tensors == 3 and scope.stats.offloaded_tensors == 0
+
+
+def _roundtrip(x: torch.Tensor, cpu_scope_kwargs: dict) -> tuple[torch.Tensor, hsoffload.OffloadStats]:
+    """Save x for backward (marked) and return what backward's unpack produced."""
+    got: list[torch.Tensor] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t, dummy):
+            ctx.save_for_backward(t)
+            return dummy.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            (t,) = ctx.saved_tensors
+            got.append(t.detach().clone())
+            # Also compare layout: strides are part of what is restored.
+            got.append(torch.tensor(list(t.stride())))
+            return None, grad
+
+    dummy = torch.zeros(1, requires_grad=True)
+    with OffloadScope(**cpu_scope_kwargs) as scope:
+        out = Probe.apply(mark(x), dummy)
+        out.sum().backward()
+    return got[0], got[1], scope.stats
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(6, 5),
+        lambda: torch.randn(6, 5)[:, 1:],  # view with offset, non-contiguous
+        lambda: torch.randn(6, 5)[2:],
+        lambda: torch.randn(6, 5).t(),
+        lambda: torch.randn(4, 6, 8)[:, 1:].transpose(0, 2),
+        lambda: torch.randn(6, 5)[::2],
+        lambda: torch.zeros(0, 5),
+        lambda: torch.randn(6, 5) > 0,
+        lambda: torch.randint(-100, 100, (6, 5)),
+        lambda: torch.randn(6, 5).half(),
+        lambda: torch.randn(6, 5).bfloat16(),
+        lambda: torch.randn(6, 5, dtype=torch.complex64),
+        lambda: torch.randn(6, 5, dtype=torch.float64)[1:, 1:],
+        lambda: torch.tensor(3.5),
+    ],
+)
+def test_roundtrip_views_and_dtypes(make, cpu_scope_kwargs):
+    x = make()
+    got, strides, stats = _roundtrip(x, cpu_scope_kwargs)
+    assert got.dtype == x.dtype and got.device == x.device and got.shape == x.shape
+    assert torch.equal(got, x)
+    assert strides.tolist() == list(x.stride())
+    if x.numel() > 0:
+        assert stats.offloaded_tensors == 1 and stats.restored_tensors == 1
+    else:
+        assert stats.skipped_marked_tensors == 1
+
+
+def test_same_tensor_saved_twice_and_views_copied_once(cpu_scope_kwargs):
+    def f(base: torch.Tensor) -> torch.Tensor:
+        h = mark(base * 1.0)
+        a = mark(h[:, :8])  # views of one storage: their spans lie inside h's
+        return (h * h).sum() + (a * a).sum()  # h saved twice by mul, a twice
+
+    ref = torch.randn(8, 16, requires_grad=True)
+    f(ref).backward()
+    base = ref.detach().clone().requires_grad_(True)
+    with OffloadScope(**cpu_scope_kwargs) as scope:
+        f(base).backward()
+    s = scope.stats
+    assert s.marked_tensors == 4
+    assert s.offloaded_tensors == 1 and s.offloaded_bytes == 8 * 16 * 4
+    assert s.restored_tensors == 4
+    assert torch.equal(base.grad, ref.grad)
+
+
+def test_parameters_and_unmarked_pass_through(cpu_scope_kwargs):
+    lin = torch.nn.Linear(8, 8)
+    with OffloadScope(**cpu_scope_kwargs) as scope:
+        mark(lin.weight)  # a parameter marked by mistake stays where it is
+        x = torch.randn(8, 8, requires_grad=True)
+        (lin(x) * lin.weight).sum().backward()  # mul saves the weight itself
+    s = scope.stats
+    assert s.saved_tensors_seen >= 4 and s.marked_tensors == 1
+    assert s.skipped_marked_tensors == 1 and s.offloaded_tensors == 0
+
+
+def test_retain_graph_and_double_unpack(cpu_scope_kwargs):
+    torch.manual_seed(0)
+    ref, off = Stack(), None
+    off = copy.deepcopy(ref)
+    x = torch.randn(2, 4, 32)
+    l1 = ref(x)
+    l1.backward(retain_graph=True)
+    l1.backward()
+    with OffloadScope(**cpu_scope_kwargs) as scope:
+        l2 = off(x)
+        l2.backward(retain_graph=True)
+        l2.backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), off.parameters()))
+    assert scope.stats.restored_tensors == 6 and scope.stats.offloaded_tensors == 3
+
+
+def test_create_graph_double_backward(cpu_scope_kwargs):
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = mark(x * 1.5)
+        return (h.tanh() * h).sum()
+
+    x0 = torch.randn(5, 7, dtype=torch.float64)
+    x_ref = x0.clone().requires_grad_(True)
+    (g_ref,) = torch.autograd.grad(f(x_ref), x_ref, create_graph=True)
+    g_ref.sum().backward()
+    x_off = x0.clone().requires_grad_(True)
+    with OffloadScope(**cpu_scope_kwargs) as scope:
+        (g,) = torch.autograd.grad(f(x_off), x_off, create_graph=True)
+        g.sum().backward()
+    assert torch.equal(g, g_ref) and torch.equal(x_off.grad, x_ref.grad)
+    assert scope.stats.offloaded_tensors >= 1
+
+
+def test_gradcheck_through_hooks(cpu_scope_kwargs):
+    lin = torch.nn.Linear(4, 4).double()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with OffloadScope(**cpu_scope_kwargs):
+            return checkpoint(lambda h: lin(h).sin(), mark(x * 2), use_reentrant=False)
+
+    assert torch.autograd.gradcheck(f, (torch.randn(3, 4, dtype=torch.float64, requires_grad=True),))
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_exception_in_forward_then_next_step_correct(cpu_scope_kwargs):
+    torch.manual_seed(0)
+    model = Stack()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 4, 32)
+    with pytest.raises(Boom):
+        with OffloadScope(**cpu_scope_kwargs) as scope:
+            h = model.emb(x)
+            checkpoint(model.blocks[0], mark(h), use_reentrant=False)
+            raise Boom("forward failed")
+    assert not scope.active
+    gc.collect()
+    assert scope.tracked_state() == 0
+    assert hsoffload.pool_stats().in_use_bytes == 0
+    ref(x).backward()
+    with OffloadScope(**cpu_scope_kwargs) as scope2:
+        model(x).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
+    assert scope2.stats.offloaded_tensors == 3
+
+
+def test_exception_in_backward_keeps_type_and_frees(cpu_scope_kwargs):
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise Boom("backward failed")
+
+    model = Stack()
+    with pytest.raises(Boom):
+        with OffloadScope(**cpu_scope_kwargs) as scope:
+            loss = Fail.apply(model(torch.randn(2, 4, 32)))
+            loss.backward()
+    del loss
+    gc.collect()
+    assert scope.tracked_state() == 0
+    assert hsoffload.pool_stats().in_use_bytes == 0
+
+
+def test_inplace_after_save_raises(cpu_scope_kwargs):
+    for marked in (True, False):
+        x = torch.randn(4, 4, requires_grad=True)
+        with OffloadScope(**cpu_scope_kwargs):
+            h = x * 2
+            if marked:
+                mark(h)
+            y = (h * h).sum()
+            h.add_(1)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.backward()
+
+
+def test_inplace_on_saved_output_raises(cpu_scope_kwargs):
+    x = torch.randn(4, 4, requires_grad=True)
+    with OffloadScope(**cpu_scope_kwargs):
+        y = x.exp()  # exp saves its output
+        y.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_nested_scopes(cpu_scope_kwargs):
+    x0 = torch.randn(4, 64)
+    ref = x0.clone().requires_grad_(True)
+    a, b = ref * 2, ref * 3
+    (a * a).sum().add((b * b).sum()).backward()
+    x = x0.clone().requires_grad_(True)
+    with OffloadScope(**cpu_scope_kwargs) as outer:
+        a = mark(x * 2)
+        with OffloadScope(offload_cpu_tensors=True, min_offload_size=1 << 20) as inner:
+            b = mark(x * 3)
+            yb = (b * b).sum()  # saved under inner: b is too small for it
+        ya = (a * a).sum()  # saved under outer again
+        ya.add(yb).backward()
+    assert inner.stats.marked_tensors == 2 and inner.stats.skipped_marked_tensors == 2
+    assert outer.stats.offloaded_tensors == 1 and outer.stats.restored_tensors == 2
+    assert torch.equal(x.grad, ref.grad)
+
+
+def test_threads_have_their_own_scopes(cpu_scope_kwargs):
+    results: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            torch.manual_seed(i)
+            model = Stack()
+            ref = copy.deepcopy(model)
+            xs = [torch.randn(2, 4, 32) for _ in range(3)]
+            ref_out = _train(ref, xs, None)
+            out = _train(model, xs, cpu_scope_kwargs)
+            results[i] = (ref_out, out)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for (ref_losses, ref_grads, _), (losses, grads, stats) in results.values():
+        assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+        assert all(torch.equal(a, b) for ga, gb in zip(ref_grads, grads) for a, b in zip(ga, gb))
+        assert all(s.offloaded_tensors == 3 for s in stats)
+
+
+def test_mark_without_scope_is_noop():
+    x = torch.randn(3)
+    assert mark(x) is x
+
+
+def test_exit_on_other_thread_is_an_error(cpu_scope_kwargs):
+    scope = OffloadScope(**cpu_scope_kwargs)
+    scope.__enter__()
+    err: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            scope._scope.exit()
+        except BaseException as exc:
+            err.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    scope.__exit__(None, None, None)
+    assert err and "did not enter" in str(err[0])
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="min_offload_size"):
+        OffloadScope(min_offload_size=-1)
+    with pytest.raises(TypeError, match="offload_cpu_tensors"):
+        OffloadScope(offload_cpu_tensors="yes")
+    with pytest.raises(TypeError, match="either config= or keyword"):
+        OffloadScope(hsoffload.OffloadConfig(), min_offload_size=0)
+
+
+def test_unpack_bad_handle_message():
+    with pytest.raises(Exception, match="offload_unpack"):
+        torch.ops.hsoffload.offload_unpack(None)
+
+
+def test_never_unpacked_branch_does_not_leak(cpu_scope_kwargs):
+    """A saved tensor whose node never runs backward is freed with the graph."""
+    x = torch.randn(8, 64, requires_grad=True)
+    frozen = torch.randn(8, 64)
+    with OffloadScope(**cpu_scope_kwargs) as scope:
+        for _ in range(20):
+            used = mark(x * 2)
+            unused = mark(frozen * 3 + x.detach())  # no grad: nothing saves it
+            branch = (mark(x * 4) * x).sum()  # saved, but never backpropagated
+            (used * used).sum().backward()
+            del branch, unused, used
+    gc.collect()
+    assert scope.tracked_state() == 0
+    assert hsoffload.pool_stats().in_use_bytes == 0
+
+
+def test_thousand_steps_flat(cpu_scope_kwargs):
+    model = Stack(dim=16, layers=2)
+    x = torch.randn(2, 4, 16)
+    held: list[int] = []
+    tracked: list[int] = []
+    scope_ref = None
+    for step in range(1000):
+        with OffloadScope(**cpu_scope_kwargs) as scope:
+            model(x).backward()
+        if step % 100 == 99:
+            held.append(hsoffload.pool_stats().held_bytes)
+            tracked.append(scope.tracked_state())
+        if step == 0:
+            scope_ref = weakref.ref(scope)
+        assert scope.stats.offloaded_tensors == 2
+    gc.collect()
+    assert len(set(held)) == 1, held
+    assert set(tracked) == {0}
+    assert scope_ref() is None  # scopes are not kept alive by the engine
+    assert hsoffload.pool_stats().in_use_bytes == 0
