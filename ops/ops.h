@@ -2,6 +2,7 @@
 #pragma once
 
 #include "holders.h"
+#include "init_skip_holder.h"
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -25,8 +26,10 @@ void set_pool_limit(int64_t max_bytes);
 int64_t pool_limit();
 void empty_pool();
 
-// Defined in skip_init_ops.cpp (FSDP RAM-efficient loading).
+// Defined in skip_init_ops.cpp (FSDP RAM-efficient loading); the
+// InitSkipRecord class methods are declared in init_skip_holder.h.
 c10::List<bool> skip_init_non_rank0(const std::vector<at::Tensor>& tensors, int64_t rank, int64_t local_rank,
-                                      bool fsdp_enabled, bool cpu_ram_efficient_loading);
+                                    bool fsdp_enabled, bool cpu_ram_efficient_loading,
+                                    const std::optional<c10::intrusive_ptr<InitSkipRecordHolder>>& record);
 
 }  // namespace hsoffload::ops

@@ -59,12 +59,28 @@ TORCH_LIBRARY(hsoffload, m) {
   // on the restore's event, prefetches the previous offloaded tensor).
   m.def("offload_unpack(__torch__.torch.classes.hsoffload.SavedHandle handle) -> Tensor", &offload_unpack);
 
+  // FSDP RAM-efficient loading, per from_pretrained call: the storages this
+  // process must not initialise, counters of the writes into them that were
+  // dropped, and lazily committed zero placeholders. See docs/ops.md.
+  m.class_<InitSkipRecordHolder>("InitSkipRecord")
+      .def(torch::init(&make_init_skip_record))
+      .def("is_flagged", &init_skip_record_is_flagged)
+      .def("note_dropped_write", &init_skip_record_note_dropped_write)
+      .def("stats", &init_skip_record_stats,
+           "flagged_tensors, flagged_storages, flagged_bytes, dropped_writes, dropped_bytes, live_storages")
+      .def("skip", &init_skip_record_skip)
+      .def("reason", &init_skip_record_reason)
+      .def("clear", &init_skip_record_clear)
+      .def_static("lazy_zeros_like", &init_skip_lazy_zeros_like);
+
   // FSDP RAM-efficient loading: returns, per tensor, whether this process must
-  // skip initialising it (ranks other than local rank 0 under FSDP with
-  // cpu_ram_efficient_loading), and records the decision. See docs/ops.md.
+  // skip initialising it (ranks other than rank 0 / local rank 0 under FSDP
+  // with cpu_ram_efficient_loading) and records those tensors' storages in
+  // `record`. Note: no (a!) on `tensors` -- the op reads only their identity;
+  // the record (a custom class) is what it writes. See docs/ops.md.
   m.def(
       "skip_init_non_rank0(Tensor[] tensors, int rank, int local_rank, bool fsdp_enabled, "
-      "bool cpu_ram_efficient_loading) -> bool[]",
+      "bool cpu_ram_efficient_loading, __torch__.torch.classes.hsoffload.InitSkipRecord? record=None) -> bool[]",
       &skip_init_non_rank0);
 }
 

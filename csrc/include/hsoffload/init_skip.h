@@ -1,0 +1,118 @@
+// FSDP RAM-efficient loading: which tensors a process must not initialise.
+//
+// Under FSDP with cpu_ram_efficient_loading only the ranks that load real
+// weights need them initialised; every other rank receives its values later by
+// broadcast from rank 0. The engine decides, from this process's rank facts,
+// whether it is such a rank, and records the storages of the tensors it must
+// not initialise so that writes into them can be recognised and dropped.
+//
+// The engine knows tensors and storages; it knows nothing of Python,
+// transformers or torch.distributed (the caller supplies the facts).
+//
+// Thread-safety: `decide_skip_init` and `describe` are pure. An
+// `InitSkipRecord` may be used from several threads at once; one mutex per
+// record guards its table and counters.
+#pragma once
+
+#include <c10/core/Storage.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace hsoffload {
+
+// What the caller knows about this process.
+struct RankFacts {
+  int64_t rank = -1;        // global rank in the default process group; -1 without one
+  int64_t local_rank = -1;  // rank on this node (launcher's LOCAL_RANK); -1 when unknown
+  bool fsdp_enabled = false;               // process group initialised and FSDP requested
+  bool cpu_ram_efficient_loading = false;  // only rank 0 loads real weights; others get them by broadcast
+};
+
+// Why a process does or does not skip weight initialisation.
+enum class SkipReason {
+  kSkip,                   // non-rank-0 under FSDP RAM-efficient loading
+  kFsdpDisabled,           // no process group or FSDP not requested
+  kNoRamEfficientLoading,  // every rank loads real weights
+  kGlobalRankZero,         // the broadcast source must hold real, initialised values
+  kLocalRankZero,          // transformers loads real weights on every node's local rank 0
+  kInconsistentRanks,      // local_rank > rank: the facts contradict each other, stay stock
+};
+
+struct SkipDecision {
+  bool skip = false;
+  SkipReason reason = SkipReason::kFsdpDisabled;
+};
+
+// The decision for one process. Never skips on global rank 0 whatever
+// LOCAL_RANK says, so a wrong or missing LOCAL_RANK cannot leave the broadcast
+// source uninitialised.
+SkipDecision decide_skip_init(const RankFacts& facts);
+
+// One-line human description of a reason (for logs).
+const char* describe(SkipReason reason);
+
+// Counters of one record.
+struct InitSkipStats {
+  int64_t flagged_tensors = 0;  // tensors passed to `flag` while skipping (a tensor listed twice counts twice)
+  int64_t flagged_storages = 0; // distinct storages recorded
+  int64_t flagged_bytes = 0;    // bytes of the distinct storages recorded
+  int64_t dropped_writes = 0;   // writes into flagged storages that the caller dropped (`note_dropped_write`)
+  int64_t dropped_bytes = 0;    // bytes those writes would have written
+  int64_t live_storages = 0;    // recorded storages still alive (snapshot)
+};
+
+// The set of storages whose tensors must not be initialised, with counters.
+//
+// Entries are keyed by StorageImpl address and hold a weak reference to it.
+// A weak reference keeps the StorageImpl allocation (not its data) alive, so
+// the address of a recorded storage cannot be reused by another storage while
+// the record exists: no ABA between a freed parameter and a new tensor. A
+// recorded storage that has been freed no longer counts as flagged.
+class InitSkipRecord {
+ public:
+  InitSkipRecord() = default;
+  InitSkipRecord(const InitSkipRecord&) = delete;
+  InitSkipRecord& operator=(const InitSkipRecord&) = delete;
+
+  // Records the decision this record was filled under (see `decision`).
+  void set_decision(SkipDecision decision);
+  // The last decision set; `kFsdpDisabled`/no skip before any.
+  SkipDecision decision() const;
+
+  // Records t's storage as flagged. Returns false (records nothing) for an
+  // undefined tensor or one without storage (sparse, nested).
+  bool flag(const at::Tensor& t);
+  // True when t shares storage with a flagged tensor that is still alive
+  // (views, `.data` and `detach()` aliases included).
+  bool is_flagged(const at::Tensor& t) const;
+  // Counts one write into a flagged storage that the caller dropped.
+  void note_dropped_write(int64_t bytes);
+
+  InitSkipStats stats() const;
+  // Forgets every entry and zeroes the counters; keeps the decision.
+  void clear();
+
+ private:
+  mutable std::mutex mu_;
+  SkipDecision decision_;
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> flagged_;
+  InitSkipStats stats_;
+};
+
+// A CPU tensor of zeros whose pages are not committed until written.
+//
+// The memory is a private anonymous mapping: the kernel guarantees it reads as
+// zeros, and untouched pages cost no resident memory, so a non-rank-0 process
+// can hold a model-shaped placeholder with defined values (zeros, as stock
+// transformers >= 5.4 uses) at almost no RSS until the broadcast overwrites
+// it. Contiguous, requires no grad; freed (unmapped) with its storage.
+at::Tensor lazy_zeros(c10::IntArrayRef sizes, c10::ScalarType dtype);
+
+}  // namespace hsoffload
