@@ -35,7 +35,7 @@ class Stack(torch.nn.Module):
         self.stall_cycles = stall_cycles
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x
+        h = x * 1  # a non-leaf first input, like an embedding output (leaves requiring grad are never offloaded)
         for block in self.blocks:
             if self.stall_cycles:
                 torch.cuda._sleep(self.stall_cycles)  # the compute stream lags the host: copies must wait on it
