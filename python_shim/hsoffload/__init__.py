@@ -28,6 +28,7 @@ from .scope import (  # noqa: E402  (the ops must be registered first)
     PoolStats,
     cumulative_stats,
     empty_pool,
+    mark_hidden_state,
     pool_stats,
 )
 from .patch import check_model, is_patched, offload_hidden_states, patch, unpatch  # noqa: E402
@@ -45,5 +46,6 @@ __all__ = [
     "cumulative_stats",
     "empty_pool",
     "load_library",
+    "mark_hidden_state",
     "pool_stats",
 ]

@@ -172,6 +172,11 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
 
     def mark(self, x: torch.Tensor) -> torch.Tensor:
         """Mark `x` for offload (same as torch.ops.hsoffload.mark_hidden_state while this scope is current)."""
+        if current_scope() is not self:
+            raise RuntimeError(
+                "hsoffload: OffloadScope.mark called while this scope is not the innermost active scope on this "
+                "thread; call it inside `with scope:` on the thread that entered it"
+            )
         return torch.ops.hsoffload.mark_hidden_state(x)
 
     @property
@@ -185,6 +190,20 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
     def tracked_state(self) -> int:
         """Marks and host copies this scope still tracks (0 once graphs are freed)."""
         return int(self._scope.tracked_state())
+
+
+_logged_unscoped_mark = threading.Event()  # "log once" flag, process-wide by intent
+
+
+def mark_hidden_state(x: torch.Tensor) -> torch.Tensor:
+    """Mark `x` for offload if autograd saves it while an offload scope is active on this thread.
+
+    Returns `x`. Without an active scope this does nothing (logged once at debug level).
+    """
+    if current_scope() is None and not _logged_unscoped_mark.is_set():
+        _logged_unscoped_mark.set()
+        logger.debug("hsoffload: mark_hidden_state called with no offload scope active on this thread; no effect")
+    return torch.ops.hsoffload.mark_hidden_state(x)
 
 
 def cumulative_stats() -> OffloadStats:
