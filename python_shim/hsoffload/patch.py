@@ -4,10 +4,18 @@ While an offload scope is active on this thread and a checkpointed layer is trai
 enabled, the layer's `hidden_states` input is marked with `torch.ops.hsoffload.mark_hidden_state`
 and passed on *positionally*: transformers binds keyword arguments into a `functools.partial`, so
 only positional tensors reach the checkpoint's saved tensors (and so the offload hooks).
+
+Chaining: `patch()` wraps whatever `__call__` is installed when it runs (stock transformers,
+Axolotl's or DeepSpeed's marker) and calls it; it never copies the stock body (which uses a
+zero-argument `super()`). A patch installed over ours later is expected to chain through ours, as
+those do. `unpatch()` restores the exact previous attribute when ours is still on top; when
+another patch sits on top it cannot take ours out of that chain, so it turns ours into a pure
+pass-through instead (and a later `patch()` turns it back on).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -21,11 +29,21 @@ from .scope import OffloadConfig, OffloadScope, current_scope
 logger = logging.getLogger("hsoffload")
 
 _PATCH_ATTR = "_hsoffload_patched"
+_MISSING = object()  # "the class had no __call__ of its own"
 _lock = threading.Lock()  # serialises patch()/unpatch()
-# The __call__ installed before ours (stock transformers, Axolotl's or DeepSpeed's patch): we chain
-# through it. Module state by nature: a monkeypatch is process-wide.
-_previous_call: Optional[Callable[..., Any]] = None
 _logged: set[str] = set()  # keys of "log once" messages
+
+
+@dataclasses.dataclass
+class _PatchState:
+    """The process-wide patch (a monkeypatch is process-wide by nature)."""
+
+    installed: Optional[Callable[..., Any]] = None  # our wrapper, wherever it sits in the chain
+    previous: Any = _MISSING  # the class attribute our wrapper replaced, restored exactly by unpatch()
+    active: bool = False  # False: our wrapper only forwards (unpatched while another patch wraps it)
+
+
+_state = _PatchState()
 
 
 def _log_once(key: str, level: int, msg: str, *args: Any) -> None:
@@ -54,20 +72,49 @@ def _first_param_is_hidden_states(cls: type) -> bool:
     return len(params) >= 2 and params[1] == "hidden_states"
 
 
-def _mark_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    previous = _previous_call
-    assert previous is not None  # set before this function is installed
-    if current_scope() is None or not self.training or not torch.is_grad_enabled():
-        return previous(self, *args, **kwargs)
-    if not getattr(self, "gradient_checkpointing", False):
-        _log_once(
-            f"nockpt:{type(self).__name__}",
-            logging.WARNING,
-            "hsoffload: %s runs without gradient checkpointing, so its hidden states are not offloaded; "
-            "call model.gradient_checkpointing_enable() to offload them.",
-            type(self).__name__,
+def _checkpoint_function(layer: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
+    """The callable behind `layer._gradient_checkpointing_func` and its bound keywords."""
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    keywords: dict[str, Any] = {}
+    while isinstance(func, functools.partial):
+        keywords = {**func.keywords, **keywords}
+        func = func.func
+    return func, keywords
+
+
+def _bypass_reason(layer: torch.nn.Module) -> Optional[str]:
+    """Why the offload hooks cannot see this layer's saved inputs, or None."""
+    func, _ = _checkpoint_function(layer)
+    qualname = getattr(func, "__qualname__", "")
+    if "gradient_checkpointing_enable" in qualname and "<locals>" in qualname:
+        # transformers >= 5.x `gradient_checkpointing_enable(offload=True)`: the checkpoint runs
+        # under torch's save_on_cpu, an inner saved-tensor hook that takes every input first.
+        return (
+            "gradient checkpointing was enabled with offload=True, whose save_on_cpu hook already moves every "
+            "checkpoint input to host and hides them from hsoffload; enable checkpointing without offload=True"
         )
-        return previous(self, *args, **kwargs)
+    return None
+
+
+def _uses_reentrant(layer: torch.nn.Module) -> bool:
+    func, keywords = _checkpoint_function(layer)
+    if func is not torch.utils.checkpoint.checkpoint:
+        return False
+    return keywords.get("use_reentrant") in (True, None)  # torch's default is reentrant
+
+
+def _report_inactive(layer: torch.nn.Module) -> bool:
+    """Log (once per cause) and return True when this call cannot offload the layer's input."""
+    name = type(layer).__name__
+    if not getattr(layer, "gradient_checkpointing", False):
+        _log_once(
+            f"nockpt:{name}",
+            logging.WARNING,
+            "hsoffload: %s runs without gradient checkpointing (checkpointing off, or every_n_layers > 1 skips "
+            "it), so its hidden states are not offloaded; call model.gradient_checkpointing_enable().",
+            name,
+        )
+        return True
     if torch.compiler.is_compiling():
         _log_once(
             "compiled",
@@ -75,78 +122,147 @@ def _mark_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             "hsoffload: %s is called inside a torch.compile region: the mark traces as identity and the compiled "
             "graph unpacks all its saved tensors at the start of its backward, so hidden-state offload has no "
             "effect there. Compile the layers' inner modules instead of the decoder layers.",
-            type(self).__name__,
+            name,
         )
+        return True
+    reason = _bypass_reason(layer)
+    if reason is not None:
+        _log_once(f"bypass:{name}", logging.WARNING, "hsoffload: %s: %s.", name, reason)
+        return True
+    return False
+
+
+def _pass_hidden_states_marked(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """Return the positional arguments with `hidden_states` marked and first.
+
+    A keyword `hidden_states` is moved to the front of the positional arguments (only when the
+    layer's forward takes it first), since the checkpoint never saves keyword arguments.
+    """
+    mark = torch.ops.hsoffload.mark_hidden_state
+    if args and isinstance(args[0], torch.Tensor):
+        return (mark(args[0]),) + args[1:]
+    if not args and isinstance(kwargs.get("hidden_states"), torch.Tensor) and _first_param_is_hidden_states(
+        type(layer)
+    ):
+        return (mark(kwargs.pop("hidden_states")),)
+    _log_once(
+        f"nohidden:{type(layer).__name__}",
+        logging.WARNING,
+        "hsoffload: %s was called without a hidden_states tensor as first positional argument (or as a keyword "
+        "its forward takes first); nothing to offload for it.",
+        type(layer).__name__,
+    )
+    return args
+
+
+def _report_reentrant_without_grad(layer: torch.nn.Module, args: tuple) -> None:
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or not _uses_reentrant(layer):
+        return
+    _log_once(
+        f"reentrant-nograd:{type(layer).__name__}",
+        logging.WARNING,
+        "hsoffload: %s uses reentrant checkpointing but none of its tensor inputs requires grad, so the "
+        "checkpoint saves (and hsoffload offloads) nothing, and the layer gets no gradients; call "
+        "model.enable_input_require_grads() (PEFT) or use use_reentrant=False.",
+        type(layer).__name__,
+    )
+
+
+def _make_wrapper(previous: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(previous)
+    def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not _state.active or current_scope() is None or not self.training or not torch.is_grad_enabled():
+            return previous(self, *args, **kwargs)
+        if _report_inactive(self):
+            return previous(self, *args, **kwargs)
+        args = _pass_hidden_states_marked(self, args, kwargs)
+        _report_reentrant_without_grad(self, args)
         return previous(self, *args, **kwargs)
-    if args:
-        hidden = args[0]
-        if isinstance(hidden, torch.Tensor):
-            args = (torch.ops.hsoffload.mark_hidden_state(hidden),) + args[1:]
-    elif isinstance(kwargs.get("hidden_states"), torch.Tensor) and _first_param_is_hidden_states(type(self)):
-        # Keyword hidden_states would be bound into a partial and never saved by the checkpoint:
-        # pass it positionally so the checkpoint (and our hooks) see it.
-        hidden = kwargs.pop("hidden_states")
-        args = (torch.ops.hsoffload.mark_hidden_state(hidden),)
-    else:
-        _log_once(
-            f"nohidden:{type(self).__name__}",
-            logging.WARNING,
-            "hsoffload: %s was called without a hidden_states tensor as first positional or keyword argument; "
-            "nothing to offload for it.",
-            type(self).__name__,
-        )
-    return previous(self, *args, **kwargs)
+
+    setattr(__call__, _PATCH_ATTR, True)
+    return __call__
+
+
+def _forget_if_removed(cls: type) -> None:
+    """If someone put back the attribute we replaced, our wrapper is out of every chain: forget it."""
+    if _state.installed is not None and cls.__dict__.get("__call__", _MISSING) is _state.previous:
+        logger.debug("hsoffload: %s.__call__ was restored by someone else; our patch is gone", cls.__qualname__)
+        _state.installed, _state.previous, _state.active = None, _MISSING, False
 
 
 def patch() -> None:
     """Install the marking `__call__` on GradientCheckpointingLayer (idempotent).
 
-    Chains through whatever `__call__` is installed now (stock, Axolotl's or DeepSpeed's).
+    Chains through whatever `__call__` is installed now (stock, Axolotl's or DeepSpeed's). If our
+    wrapper is already installed (on top, or under a patch installed later that chains through
+    it), this only makes sure it is active.
     """
-    global _previous_call
     cls = _layer_class()
     with _lock:
-        current = cls.__dict__.get("__call__")
-        if getattr(current, _PATCH_ATTR, False):
+        _forget_if_removed(cls)
+        if _state.installed is not None:
+            _state.active = True
             return
-        _previous_call = current if current is not None else cls.__call__
-
-        @functools.wraps(_previous_call)
-        def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return _mark_call(self, *args, **kwargs)
-
-        setattr(__call__, _PATCH_ATTR, True)
-        cls.__call__ = __call__
-        logger.debug("hsoffload: patched %s.__call__", cls.__qualname__)
+        previous = cls.__dict__.get("__call__", _MISSING)
+        wrapper = _make_wrapper(cls.__call__ if previous is _MISSING else previous)
+        _state.installed, _state.previous, _state.active = wrapper, previous, True
+        cls.__call__ = wrapper
+        logger.debug("hsoffload: patched %s.__call__ (chaining through %r)", cls.__qualname__, previous)
 
 
 def unpatch() -> bool:
-    """Restore the `__call__` that `patch()` replaced. Returns False (and logs) if another patch was
-    installed over ours since: we then leave theirs in place."""
-    global _previous_call
+    """Undo `patch()`. Returns True if the previous `__call__` was restored exactly.
+
+    If another patch was installed over ours since, ours cannot be taken out of its chain: it is
+    made a pure pass-through instead, a warning is logged and False is returned.
+    """
     cls = _layer_class()
     with _lock:
-        current = cls.__dict__.get("__call__")
-        if not getattr(current, _PATCH_ATTR, False):
-            if _previous_call is not None:
-                logger.warning(
-                    "hsoffload.unpatch: %s.__call__ was replaced by another patch after ours; leaving it in place",
-                    cls.__qualname__,
-                )
+        _forget_if_removed(cls)
+        if _state.installed is None:
             return False
-        cls.__call__ = _previous_call
-        _previous_call = None
-        return True
+        if cls.__dict__.get("__call__") is _state.installed:
+            if _state.previous is _MISSING:
+                delattr(cls, "__call__")
+            else:
+                cls.__call__ = _state.previous
+            _state.installed, _state.previous, _state.active = None, _MISSING, False
+            return True
+        _state.active = False
+        logger.warning(
+            "hsoffload.unpatch: %s.__call__ was patched again after hsoffload (%r); hsoffload's marking is now a "
+            "pass-through inside that chain instead of being removed",
+            cls.__qualname__,
+            cls.__dict__.get("__call__"),
+        )
+        return False
 
 
 def is_patched() -> bool:
-    """True if the marking `__call__` is installed on GradientCheckpointingLayer."""
-    return bool(getattr(_layer_class().__dict__.get("__call__"), _PATCH_ATTR, False))
+    """True if the marking `__call__` is installed (on top or chained under a later patch) and active."""
+    cls = _layer_class()
+    with _lock:
+        _forget_if_removed(cls)
+        return _state.installed is not None and _state.active
+
+
+def _overriding_classes(layers: list[torch.nn.Module], base: type) -> list[str]:
+    """Layer classes whose own `__call__` shadows GradientCheckpointingLayer's."""
+    names = set()
+    for layer in layers:
+        for klass in type(layer).__mro__:
+            if klass is base:
+                break
+            if "__call__" in klass.__dict__:
+                names.add(type(layer).__name__)
+                break
+    return sorted(names)
 
 
 def check_model(model: torch.nn.Module) -> int:
-    """Log (once per problem) why offload would do nothing for `model`; return the number of
-    checkpointed layers whose inputs will be marked."""
+    """Log (once per problem) why offload would do nothing for (part of) `model`; return the number
+    of checkpointed layers whose inputs the patch will certainly mark (layers overriding `__call__`
+    are not counted)."""
     cls = _layer_class()
     layers = [m for m in model.modules() if isinstance(m, cls)]
     if not layers:
@@ -158,17 +274,17 @@ def check_model(model: torch.nn.Module) -> int:
             type(model).__name__,
         )
         return 0
-    overriding = sorted({type(m).__name__ for m in layers if "__call__" in type(m).__dict__})
+    overriding = _overriding_classes(layers, cls)
     if overriding:
         _log_once(
             "override:" + ",".join(overriding),
             logging.WARNING,
-            "hsoffload: %s override __call__ and bypass the GradientCheckpointingLayer patch; their inputs are "
-            "not offloaded.",
+            "hsoffload: %s override __call__; their inputs are offloaded only if that override calls "
+            "super().__call__(hidden_states, ...), otherwise it bypasses the GradientCheckpointingLayer patch.",
             ", ".join(overriding),
         )
-    active = [m for m in layers if getattr(m, "gradient_checkpointing", False) and "__call__" not in type(m).__dict__]
-    if not active:
+    checkpointed = [m for m in layers if getattr(m, "gradient_checkpointing", False)]
+    if not checkpointed:
         _log_once(
             f"nockptmodel:{type(model).__name__}",
             logging.WARNING,
@@ -176,7 +292,12 @@ def check_model(model: torch.nn.Module) -> int:
             "model.gradient_checkpointing_enable() for hidden-state offload to take effect.",
             type(model).__name__,
         )
-    return len(active)
+    bypassed = [m for m in checkpointed if _bypass_reason(m) is not None]
+    if bypassed:
+        name = type(bypassed[0]).__name__
+        _log_once(f"bypass:{name}", logging.WARNING, "hsoffload: %s: %s.", name, _bypass_reason(bypassed[0]))
+    overriding_set = set(overriding)
+    return sum(1 for m in checkpointed if m not in bypassed and type(m).__name__ not in overriding_set)
 
 
 def offload_hidden_states(
