@@ -1,0 +1,165 @@
+"""Hidden-state offload for `transformers.Trainer` and its subclasses (TRL's `SFTTrainer`, Axolotl's).
+
+One line on an existing trainer::
+
+    trainer = hsoffload.integrations.enable_hidden_state_offload(SFTTrainer(...), min_offload_size=1 << 20)
+
+or, when defining a trainer class, the mixin (keyword `hsoffload_config` on the constructor)::
+
+    class MyTrainer(HiddenStateOffloadMixin, Trainer): ...
+    MyTrainer = with_hidden_state_offload(Trainer)  # the same, generated and cached
+
+Why a mixin over `training_step` rather than a `TrainerCallback`: `Trainer.training_step` runs the
+forward *and* the backward of one micro-batch, so a `with scope:` around it covers exactly what
+must be covered, exits on exceptions, and works unchanged with gradient accumulation and with
+subclasses that wrap `training_step` themselves (TRL, Axolotl). Callbacks only see
+`on_step_begin`/`on_step_end` around a whole optimizer step and cannot hold a context manager open
+safely. `log` is overridden too, so the counters are in `state.log_history` and reach every
+reporting callback (a callback's `on_log` runs after `log_history` was written).
+
+Logged keys (added to every training log, each a delta since the previous log except `pool_gib`):
+`hsoffload/offloaded_gib`, `hsoffload/restored_gib`, `hsoffload/marked_tensors`,
+`hsoffload/offloaded_tensors`, `hsoffload/skipped_marked_tensors`, `hsoffload/prefetch_hits`,
+`hsoffload/wait_ms` and `hsoffload/pool_gib` (host pool held now).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Optional
+
+import torch
+
+from ..patch import check_model, patch
+from ..scope import OffloadConfig, OffloadScope, OffloadStats
+
+logger = logging.getLogger("hsoffload")
+
+_GIB = float(1 << 30)
+_STATE_ATTR = "_hsoffload_trainer_state"
+
+
+def offload_log_values(now: OffloadStats, since: OffloadStats) -> dict[str, float]:
+    """The `hsoffload/*` log entries for the counters accumulated between `since` and `now`."""
+
+    def delta(field: str) -> int:
+        return getattr(now, field) - getattr(since, field)
+
+    return {
+        "hsoffload/offloaded_gib": delta("offloaded_bytes") / _GIB,
+        "hsoffload/restored_gib": delta("restored_bytes") / _GIB,
+        "hsoffload/marked_tensors": float(delta("marked_tensors")),
+        "hsoffload/offloaded_tensors": float(delta("offloaded_tensors")),
+        "hsoffload/skipped_marked_tensors": float(delta("skipped_marked_tensors")),
+        "hsoffload/prefetch_hits": float(delta("prefetch_hits")),
+        "hsoffload/wait_ms": delta("wait_ns") / 1e6,
+        "hsoffload/pool_gib": now.pool_bytes / _GIB,
+    }
+
+
+@dataclasses.dataclass
+class _TrainerOffload:
+    """Per-trainer offload state: one scope entered once per training step."""
+
+    scope: OffloadScope
+    logged: OffloadStats = dataclasses.field(default_factory=OffloadStats)
+    checked: bool = False
+
+    def first_step(self, trainer: Any) -> None:
+        if self.checked:
+            return
+        self.checked = True
+        patch()
+        model = getattr(trainer, "model", None)
+        if isinstance(model, torch.nn.Module):
+            check_model(model)
+        _report_competing_offload(trainer)
+
+    def log_values(self) -> dict[str, float]:
+        now = self.scope.stats
+        values = offload_log_values(now, self.logged)
+        self.logged = now
+        return values
+
+
+def _report_competing_offload(trainer: Any) -> None:
+    """TRL's and Axolotl's own activation offloading install inner saved-tensor hooks that take every
+    saved tensor before ours: hsoffload would then offload nothing."""
+    args = getattr(trainer, "args", None)
+    mode = getattr(args, "activation_offloading", None)
+    if not mode:
+        return
+    logger.warning(
+        "hsoffload: the trainer also has activation_offloading=%r; its saved-tensor hooks run inside hsoffload's "
+        "and take the hidden states first. Turn it off (or, in Axolotl, use the hsoffload plugin, which replaces it).",
+        mode,
+    )
+
+
+def _is_training_log(logs: dict[str, Any]) -> bool:
+    return not any(key.startswith(("eval_", "test_")) for key in logs)
+
+
+def _state(trainer: Any) -> _TrainerOffload:
+    state = getattr(trainer, _STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError(
+            "hsoffload: this trainer has no offload state; create it through the HiddenStateOffloadMixin constructor "
+            "or call hsoffload.integrations.enable_hidden_state_offload(trainer)"
+        )
+    return state
+
+
+def _attach(trainer: Any, config: OffloadConfig) -> None:
+    setattr(trainer, _STATE_ATTR, _TrainerOffload(scope=OffloadScope(config)))
+
+
+class HiddenStateOffloadMixin:
+    """Put first in the bases of a `transformers.Trainer` subclass: each `training_step` (forward and
+    backward of one micro-batch) runs inside an offload scope, and training logs get `hsoffload/*`
+    counters. Constructor keyword: `hsoffload_config` (an `OffloadConfig`; defaults otherwise)."""
+
+    def __init__(self, *args: Any, hsoffload_config: Optional[OffloadConfig] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _attach(self, hsoffload_config if hsoffload_config is not None else OffloadConfig())
+
+    @property
+    def hsoffload_scope(self) -> OffloadScope:
+        """The offload scope entered around every training step (its `stats` accumulate over the run)."""
+        return _state(self).scope
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        state = _state(self)
+        state.first_step(self)
+        with state.scope:
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if _is_training_log(logs):
+            logs.update(_state(self).log_values())
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+
+@functools.lru_cache(maxsize=None)
+def with_hidden_state_offload(trainer_cls: type) -> type:
+    """`trainer_cls` with `HiddenStateOffloadMixin` in front (one class per input class)."""
+    if issubclass(trainer_cls, HiddenStateOffloadMixin):
+        return trainer_cls
+    return type(f"HiddenStateOffload{trainer_cls.__name__}", (HiddenStateOffloadMixin, trainer_cls), {})
+
+
+def enable_hidden_state_offload(trainer: Any, config: Optional[OffloadConfig] = None, **kwargs: Any) -> Any:
+    """Turn on hidden-state offload for an existing trainer and return it.
+
+    Re-classes `trainer` to `with_hidden_state_offload(type(trainer))` (so every method and attribute it
+    had stays as is) and gives it an offload scope built from `config` or the keywords of
+    `OffloadConfig`. Calling it again replaces the configuration.
+    """
+    if config is not None and kwargs:
+        raise TypeError("hsoffload: pass either config= or keyword options, not both")
+    trainer.__class__ = with_hidden_state_offload(type(trainer))
+    _attach(trainer, config if config is not None else OffloadConfig(**kwargs))
+    logger.info("hsoffload: hidden-state offload enabled for %s", type(trainer).__name__)
+    return trainer

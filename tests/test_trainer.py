@@ -1,0 +1,164 @@
+"""The Trainer one-liner through real `Trainer.train()` / `SFTTrainer.train()` runs on a tiny in-memory dataset."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+import hf_tiny as H
+import hsoffload
+from hsoffload.integrations import HiddenStateOffloadMixin, enable_hidden_state_offload, with_hidden_state_offload
+
+SCOPE = {"offload_cpu_tensors": True, "min_offload_size": 0}
+KEYS = (
+    "hsoffload/offloaded_gib",
+    "hsoffload/restored_gib",
+    "hsoffload/marked_tensors",
+    "hsoffload/offloaded_tensors",
+    "hsoffload/skipped_marked_tensors",
+    "hsoffload/prefetch_hits",
+    "hsoffload/wait_ms",
+    "hsoffload/pool_gib",
+)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 16) -> None:
+        self.items = [{"input_ids": b["input_ids"][0], "labels": b["labels"][0]} for b in H.batches(n)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.items[i]
+
+
+def training_args(tmp_path: Path, **overrides: Any) -> transformers.TrainingArguments:
+    kwargs: dict[str, Any] = dict(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        logging_steps=2,
+        learning_rate=1e-3,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=7,
+    )
+    kwargs.update(overrides)
+    return transformers.TrainingArguments(**kwargs)
+
+
+def _train_logs(trainer: Any) -> list[dict[str, float]]:
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_trainer_one_liner_bitwise_and_logged(tmp_path: Path, reentrant: bool) -> None:
+    args = training_args(tmp_path, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model = H.tiny_model("llama")
+    reference = H.twin(model)
+
+    trainer = enable_hidden_state_offload(
+        transformers.Trainer(model=model, args=args, train_dataset=TokenDataset()), **SCOPE
+    )
+    trainer.train()
+    plain = transformers.Trainer(model=reference, args=args, train_dataset=TokenDataset())
+    plain.train()
+
+    logs = _train_logs(trainer)
+    assert len(logs) == 2  # max_steps / logging_steps
+    forwards_per_log = args.logging_steps * args.gradient_accumulation_steps
+    for entry in logs:
+        assert all(key in entry for key in KEYS), entry
+        assert entry["hsoffload/offloaded_tensors"] == forwards_per_log * H.LAYERS
+        assert entry["hsoffload/marked_tensors"] == forwards_per_log * H.LAYERS
+        assert entry["hsoffload/offloaded_gib"] > 0
+        assert entry["hsoffload/restored_gib"] == entry["hsoffload/offloaded_gib"]
+    assert trainer.hsoffload_scope.stats.offloaded_tensors == 2 * forwards_per_log * H.LAYERS
+    for a, b in zip(_train_logs(plain), logs):
+        assert a["loss"] == b["loss"]
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_mixin_class_factory(tmp_path: Path) -> None:
+    cls = with_hidden_state_offload(transformers.Trainer)
+    assert with_hidden_state_offload(transformers.Trainer) is cls
+    assert with_hidden_state_offload(cls) is cls
+    assert issubclass(cls, HiddenStateOffloadMixin) and issubclass(cls, transformers.Trainer)
+    trainer = cls(
+        model=H.tiny_model("llama"),
+        args=training_args(tmp_path, max_steps=2, logging_steps=1, gradient_accumulation_steps=1),
+        train_dataset=TokenDataset(),
+        hsoffload_config=hsoffload.OffloadConfig(**SCOPE),
+    )
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert [entry["hsoffload/offloaded_tensors"] for entry in logs] == [H.LAYERS, H.LAYERS]
+
+
+def test_without_checkpointing_logs_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    args = training_args(tmp_path, max_steps=1, logging_steps=1, gradient_accumulation_steps=1, gradient_checkpointing=False)
+    trainer = enable_hidden_state_offload(
+        transformers.Trainer(model=H.tiny_model("llama"), args=args, train_dataset=TokenDataset()), **SCOPE
+    )
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        trainer.train()
+    assert _train_logs(trainer)[0]["hsoffload/offloaded_tensors"] == 0
+    assert "gradient checkpointing" in caplog.text
+
+
+def _tiny_tokenizer() -> Any:
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"t{i}": i for i in range(H.VOCAB)}
+    vocab.update({"<pad>": 0, "<s>": 1, "</s>": 2})
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def test_sft_trainer(tmp_path: Path) -> None:
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    rows = [{"input_ids": b["input_ids"][0].tolist()} for b in H.batches(8)]
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False,
+    )
+    trainer = enable_hidden_state_offload(
+        trl.SFTTrainer(
+            model=H.tiny_model("llama"),
+            args=config,
+            train_dataset=datasets.Dataset.from_list(rows),
+            processing_class=_tiny_tokenizer(),
+        ),
+        **SCOPE,
+    )
+    assert isinstance(trainer, trl.SFTTrainer)
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert [entry["hsoffload/offloaded_tensors"] for entry in logs] == [H.LAYERS, H.LAYERS]
