@@ -25,6 +25,7 @@ Logged keys (added to every training log, each a delta since the previous log ex
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -84,17 +85,25 @@ class _TrainerOffload:
         return values
 
 
+# Attributes under which TRL (`SFTTrainer`) and Axolotl keep the context of their own activation
+# offloading; a `contextlib.nullcontext` there means it is off.
+_COMPETING_CONTEXT_ATTRS = ("maybe_activation_offload_context", "activation_offload_context")
+
+
 def _report_competing_offload(trainer: Any) -> None:
     """TRL's and Axolotl's own activation offloading install inner saved-tensor hooks that take every
     saved tensor before ours: hsoffload would then offload nothing."""
-    args = getattr(trainer, "args", None)
-    mode = getattr(args, "activation_offloading", None)
-    if not mode:
+    contexts = [getattr(trainer, a) for a in _COMPETING_CONTEXT_ATTRS if hasattr(trainer, a)]
+    if contexts:
+        active = any(not isinstance(c, contextlib.nullcontext) for c in contexts)
+    else:
+        active = bool(getattr(getattr(trainer, "args", None), "activation_offloading", None))
+    if not active:
         return
     logger.warning(
-        "hsoffload: the trainer also has activation_offloading=%r; its saved-tensor hooks run inside hsoffload's "
-        "and take the hidden states first. Turn it off (or, in Axolotl, use the hsoffload plugin, which replaces it).",
-        mode,
+        "hsoffload: the trainer also runs its own activation offloading (activation_offloading in its arguments); "
+        "its saved-tensor hooks run inside hsoffload's and take the hidden states first. Turn it off, or in "
+        "Axolotl use the hsoffload plugin, which replaces it."
     )
 
 
