@@ -32,6 +32,8 @@ from .scope import (  # noqa: E402  (the ops must be registered first)
     pool_stats,
 )
 from .patch import check_model, is_patched, offload_hidden_states, patch, unpatch  # noqa: E402
+from . import fsdp  # noqa: E402  (FSDP RAM-efficient loading: hsoffload.fsdp.patch())
+from .fsdp import patch_initialize_missing_keys_for_fsdp  # noqa: E402
 
 __all__ = [
     "OffloadConfig",
@@ -45,6 +47,8 @@ __all__ = [
     "PoolStats",
     "cumulative_stats",
     "empty_pool",
+    "fsdp",
+    "patch_initialize_missing_keys_for_fsdp",
     "load_library",
     "mark_hidden_state",
     "pool_stats",
