@@ -1,0 +1,7 @@
+"""`python -m hsoffload` is the `hsoffload` command (useful where the console script is not installed)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,160 @@
+"""The `hsoffload` command: `hsoffload demo` and `hsoffload bench`.
+
+Tables and the progress bar are the command's output (stdout and stderr); library messages go
+through `logging.getLogger("hsoffload")`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger("hsoffload")
+
+
+def _int_list(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1
+        if part.endswith("k"):
+            scale, part = 1024, part[:-1]
+        out.append(int(part) * scale)
+    if not out:
+        raise argparse.ArgumentTypeError("expected a comma-separated list such as 8k,32k,128k")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hsoffload",
+        description="Hidden-state offload for gradient-checkpointed training: demo and benchmarks.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log hsoffload messages at DEBUG level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a tiny Llama with and without offload; show it is bit-identical")
+    demo.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    demo.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
+    demo.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    demo.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
+    demo.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
+    demo.add_argument("--plot", default="hsoffload_demo.png", help="PNG to write (default hsoffload_demo.png); '' for none")
+    demo.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    demo.add_argument("--threads", type=int, default=1, help="CPU threads for torch on a CPU device (default 1: a tiny model gains nothing from more, and a busy machine makes OpenMP spin)")
+
+    bench = sub.add_parser("bench", help="benchmarks: CPU suite, and the GPU suite when CUDA is present")
+    bench.add_argument(
+        "--suite",
+        choices=("auto", "cpu", "gpu", "all"),
+        default="auto",
+        help="auto (default): cpu, plus gpu when CUDA is available; all: both, failing if no GPU",
+    )
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke runs)")
+    bench.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
+    bench.add_argument("--plot", default=None, metavar="PNG", help="write a plot (GPU suite: PNG; CPU suite: PNG with -cpu suffix when both run)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--threads", type=int, default=1, help="CPU threads for torch in the CPU suite (default 1, for stable timings on a shared machine)")
+    g = bench.add_argument_group("GPU suite (Llama-3-8B layer dimensions, bf16, batch 1)")
+    g.add_argument("--layers", type=int, default=8, help="decoder layers (default 8; Llama-3-8B has 32)")
+    g.add_argument("--seqs", type=_int_list, default=[8192, 32768, 131072], help="sequence lengths (default 8k,32k,128k)")
+    g.add_argument("--steps", type=int, default=3, help="timed steps per method and length (median; default 3)")
+    g.add_argument("--warmup", type=int, default=1, help="warm-up steps per method and length (default 1)")
+    g.add_argument("--methods", default=None, help="comma-separated subset of: checkpointing,hsoffload,trl,save_on_cpu,transformers_offload,axolotl")
+    g.add_argument("--budget-gib", type=float, default=40.0, help="device memory budget (GiB) for the longest-sequence search: predicted from the peaks at the first two lengths, verified with one step under that cap (default 40)")
+    g.add_argument("--fit-layers", type=int, default=None, help="layers for the longest-sequence search (default: --layers)")
+    g.add_argument("--profile-seq", type=int, default=None, help="length of the profiled step used for copy bandwidth (default: 32k or the longest that ran)")
+    g.add_argument("--time-limit", type=float, default=420.0, help="seconds after which the GPU suite stops starting new measurements (default 420)")
+    return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import demo
+    from .bench import common
+
+    device = torch.device(args.device) if args.device else None
+    if (device or common.default_device()).type == "cpu" and args.threads > 0:
+        torch.set_num_threads(args.threads)
+    result = demo.run_demo(
+        device=device, steps=args.steps, layers=args.layers, batch=args.batch, seq=args.seq, plot=args.plot or None
+    )
+    print(demo.format_result(result))
+    if args.json:
+        import dataclasses
+
+        payload = dataclasses.asdict(result)
+        payload["environment"] = common.environment()
+        common.write_json(args.json, payload)
+    return 0 if result.all_equal else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import common
+
+    has_cuda = torch.cuda.is_available()
+    suites = {"auto": ["cpu"] + (["gpu"] if has_cuda else []), "cpu": ["cpu"], "gpu": ["gpu"], "all": ["cpu", "gpu"]}[
+        args.suite
+    ]
+    if "gpu" in suites and not has_cuda:
+        print("hsoffload bench: the GPU suite needs CUDA, and torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    if args.suite == "auto" and not has_cuda:
+        print("hsoffload bench: no CUDA device; running the CPU suite only", file=sys.stderr)
+    results: dict[str, Any] = {"environment": common.environment()}
+    status = 0
+    if "cpu" in suites:
+        from .bench import cpu
+
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
+        res = cpu.run(quick=args.quick, progress_enabled=not args.no_progress)
+        results["cpu"] = res
+        print(cpu.report(res))
+        if args.plot:
+            path = args.plot if suites == ["cpu"] else _suffixed(args.plot, "-cpu")
+            cpu_plot = cpu.plot(res, path)
+            if cpu_plot:
+                print(f"plot: {cpu_plot}")
+    if "gpu" in suites:
+        from .bench import gpu
+
+        res = gpu.run(args, progress_enabled=not args.no_progress)
+        results["gpu"] = res
+        print(gpu.report(res))
+        if args.plot:
+            gpu_plot = gpu.plot(res, args.plot)
+            if gpu_plot:
+                print(f"plot: {gpu_plot}")
+        if res.get("errors"):
+            status = 1
+    if args.json:
+        common.write_json(args.json, results)
+        print(f"json: {args.json}")
+    return status
+
+
+def _suffixed(path: str, suffix: str) -> str:
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}{suffix}.{ext}" if dot else path + suffix
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:
+        logger.setLevel(logging.DEBUG)
+    if args.command == "demo":
+        return _demo(args)
+    return _bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# GPU check (`make gpu-check`): on a GPU machine with no network, build the op library with CMake,
+# run the GPU tests, the demo and the GPU benchmark suite, and leave logs, JSON and plots in $OUT.
+#
+# Needs torch (2.11+, CUDA build), transformers, nvcc, cmake and ninja already installed; installs
+# nothing and downloads nothing. Total wall time stays under 8 minutes: every step runs under
+# `timeout`, the benchmark gets what is left (its --time-limit stops it starting new measurements),
+# and a failing step does not stop the later ones. Without CUDA it runs the same steps harmlessly
+# (GPU tests skipped, the CPU suite in quick mode instead of the GPU suite) so it can be smoke-tested.
+#
+# Output ($OUT, flat, 8 files at most): summary.txt build.log pytest_gpu.log demo.log demo.png
+# bench.log bench.json bench.png
+set -u
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:-$PWD/gpu_check_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-$(command -v python3)}"
+BUILD_DIR="${HSOFFLOAD_BUILD_DIR:-build-gpu}"
+TOTAL_S="${GPU_CHECK_TOTAL_S:-470}"   # hard budget for the whole script (< 8 min)
+START=$(date +%s)
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+
+elapsed() { echo $(($(date +%s) - START)); }
+say() { echo "[gpu_check +$(elapsed)s] $*" | tee -a "$SUMMARY"; }
+
+# run_step NAME LIMIT_S LOG CMD...: run CMD under timeout, log to LOG, record the outcome.
+run_step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local left=$((TOTAL_S - $(elapsed) - 5))
+  if ((left < 20)); then
+    say "$name: SKIPPED (out of time)"
+    return 0
+  fi
+  ((limit > left)) && limit=$left
+  say "$name: start (limit ${limit}s)"
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  local rc=$?
+  local dt=$(($(date +%s) - t0))
+  case $rc in
+    0) say "$name: ok (${dt}s)" ;;
+    124 | 137) say "$name: TIMED OUT after ${dt}s (see $(basename "$log"))" ;;
+    *) say "$name: FAILED rc=$rc (${dt}s; see $(basename "$log"))" ;;
+  esac
+  tail -n 5 "$log" | sed 's/^/    /' | tee -a "$SUMMARY" >/dev/null
+  return $rc
+}
+
+say "python: $PY; out: $OUT"
+"$PY" - <<'EOF' 2>&1 | tee -a "$SUMMARY"
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("gpu", torch.cuda.get_device_name(0))
+try:
+    import transformers
+    print("transformers", transformers.__version__)
+except ImportError as exc:
+    print("transformers missing:", exc)
+EOF
+HAS_CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+
+# 1. Build (CMake directly: no pip, no network).
+BUILD_JOBS="${BUILD_JOBS:-$(nproc)}"
+run_step build 240 "$OUT/build.log" bash -c \
+  "cmake -S . -B '$BUILD_DIR' -G Ninja -DHSOFFLOAD_PYTHON='$PY' && cmake --build '$BUILD_DIR' -j '$BUILD_JOBS'"
+LIB="$PWD/$BUILD_DIR/libhsoffload.so"
+if [[ ! -f "$LIB" ]]; then
+  say "no $LIB: later steps will fail to load the library"
+fi
+export HSOFFLOAD_LIBRARY="$LIB"
+export PYTHONPATH="$PWD/python_shim${PYTHONPATH:+:$PYTHONPATH}"
+
+# 2. GPU tests (all skipped with a reason on a machine without CUDA).
+run_step pytest_gpu 120 "$OUT/pytest_gpu.log" "$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider
+rc=$?
+((rc == 5)) && say "pytest_gpu: no GPU tests collected (rc 5)"
+
+# 3. Demo (small; on the GPU when there is one).
+run_step demo 90 "$OUT/demo.log" "$PY" -m hsoffload demo --plot "$OUT/demo.png"
+
+# 4. Benchmarks: the GPU suite with what is left of the budget, or the CPU suite without CUDA.
+if [[ "$HAS_CUDA" == 1 ]]; then
+  left=$((TOTAL_S - $(elapsed) - 15))
+  # The suite stops starting measurements at --time-limit; the slowest one (128k) takes ~30 s.
+  tl=$((left - 60))
+  if ((tl < 60)); then
+    say "bench_gpu: SKIPPED (only ${left}s left)"
+  else
+    run_step bench_gpu "$left" "$OUT/bench.log" "$PY" -m hsoffload bench --suite gpu --no-progress \
+      --layers "${BENCH_LAYERS:-4}" --seqs "${BENCH_SEQS:-8k,32k,128k}" --steps "${BENCH_STEPS:-3}" \
+      --warmup 1 --budget-gib "${BENCH_BUDGET_GIB:-40}" --time-limit "$tl" \
+      --json "$OUT/bench.json" --plot "$OUT/bench.png"
+  fi
+else
+  say "no CUDA device: skipping the GPU suite; running the CPU suite (quick) instead"
+  run_step bench_cpu 120 "$OUT/bench.log" "$PY" -m hsoffload bench --suite cpu --quick --no-progress \
+    --json "$OUT/bench.json" --plot "$OUT/bench.png"
+fi
+
+say "done in $(elapsed)s; files in $OUT:"
+ls -1 "$OUT" | sed 's/^/    /' | tee -a "$SUMMARY"
+echo
+echo "==== summary ===="
+cat "$SUMMARY"
+exit 0

@@ -1,0 +1,95 @@
+"""The `hsoffload` command: the demo runs on a CPU and proves bit-identity, the CPU benchmark suite
+writes the JSON it promises. Nothing here asserts on a time."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    # The package from this checkout (an installed copy would also do; the source tree wins).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python_shim"), env.get("PYTHONPATH")) if p)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also on a GPU machine
+    return subprocess.run(
+        [sys.executable, "-m", "hsoffload", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_demo_on_cpu_writes_plot_and_reports_equal_losses(tmp_path: Path) -> None:
+    png = tmp_path / "demo.png"
+    out = tmp_path / "demo.json"
+    proc = _run(["demo", "--steps", "2", "--seq", "128", "--plot", str(png), "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bit-identical with and without offload: yes" in proc.stdout
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu"
+    assert result["all_equal"] is True
+    layers = result["layers"]
+    for step in result["steps"]:
+        assert step["loss_equal"] and step["grads_equal"]
+        assert step["loss_plain"] == step["loss_offload"]
+        assert step["offloaded_tensors"] == layers  # it engaged: one hidden state per layer
+        assert step["offloaded_bytes"] == result["expected_hidden_bytes"]
+    # The instrumented step: offload removed exactly the hidden states from the device.
+    assert result["saved_peak_plain"] - result["saved_peak_offload"] == result["expected_hidden_bytes"]
+    assert result["host_peak_offload"] == result["expected_hidden_bytes"]
+
+
+def test_bench_cpu_quick_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    png = tmp_path / "bench.png"
+    proc = _run(["bench", "--suite", "cpu", "--quick", "--no-progress", "--json", str(out), "--plot", str(png)], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert set(data) >= {"environment", "cpu"}
+    cpu = data["cpu"]
+    assert set(cpu) >= {"suite", "quick", "environment", "pool", "hook_calls", "step"}
+    assert cpu["quick"] is True
+    pool = cpu["pool"]
+    for key in ("held_over_offloaded", "peak_held_bytes", "peak_inflight_offloaded_bytes", "goal", "meets_goal"):
+        assert key in pool
+    assert pool["peak_inflight_offloaded_bytes"] > 0
+    assert pool["peak_held_bytes"] >= pool["peak_inflight_offloaded_bytes"]  # the pool holds what is in flight
+    assert pool["engine_peak_valid"] is True
+    cases = {(r["case"], r["tensor_bytes"]) for r in cpu["hook_calls"]}
+    assert ("passthrough", 4096) in cases and any(c == "marked" for c, _ in cases)
+    for r in cpu["hook_calls"]:
+        for key in ("hsoffload_pack_us", "hsoffload_unpack_us", "python_pack_us", "python_unpack_us"):
+            assert r[key] > 0 and math.isfinite(r[key])
+    step = cpu["step"]
+    assert 0 < step["hook_share"]["hook_share"] < 1
+    methods = {r["method"]: r for r in step["methods"]}
+    assert methods["checkpointing"]["available"] and methods["hsoffload"]["available"]
+    assert methods["hsoffload"]["counters"]["offloaded_tensors"] > 0
+    assert png.is_file()
+
+
+def test_bench_gpu_suite_refuses_without_cuda(tmp_path: Path) -> None:
+    proc = _run(["bench", "--suite", "gpu"], tmp_path)
+    assert proc.returncode == 2
+    assert "needs CUDA" in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["bench", "--seqs", "8k,32k", "--layers", "2", "--suite", "cpu"], ["demo", "--steps", "1"]])
+def test_cli_parses(argv: list[str]) -> None:
+    from hsoffload.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    if argv[0] == "bench":
+        assert args.seqs == [8192, 32768]
