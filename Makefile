@@ -7,8 +7,9 @@ PIP := $(PY) -m pip
 TORCH_REQ ?= requirements/torch.txt
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
+COMPILE_CHECK_TORCH ?= 2.11.0 2.14.1
 
-.PHONY: all venv build install test test-cpp demo bench gpu-check clean
+.PHONY: all venv build install test test-cpp compile-check demo bench gpu-check clean
 
 all: test
 
@@ -30,6 +31,12 @@ build: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) compile-check
+
+# The library must build against every torch from 2.11 to 2.14 (CPU and CUDA wheels):
+# compile against the headers of the releases we do not run the tests with.
+compile-check: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/compile_check.sh $(PY) $(COMPILE_CHECK_TORCH)
 
 # C++ engine unit tests (ctest); also run by tests/test_cpp_engine.py.
 test-cpp: $(STAMP)
