@@ -13,10 +13,10 @@
 set -u
 cd "$(dirname "$0")/.."
 
-OUT="${OUT:-$PWD/gpu_check_out}"
+OUT="${OUT:-$PWD/out/gpu_check}"
 mkdir -p "$OUT"
 PY="${PYTHON:-$(command -v python3)}"
-BUILD_DIR="${HSOFFLOAD_BUILD_DIR:-build-gpu}"
+BUILD_DIR="${HSOFFLOAD_BUILD_DIR:-build/gpu}"  # under build/, which git ignores
 TOTAL_S="${GPU_CHECK_TOTAL_S:-470}"   # hard budget for the whole script (< 8 min)
 START=$(date +%s)
 SUMMARY="$OUT/summary.txt"

@@ -128,8 +128,9 @@ class TransformersOffload(Method):
 
             return False, f"transformers {transformers.__version__} has no gradient_checkpointing_enable(offload=)"
         if _accelerator() is None:
-            # It pins host memory (save_on_cpu(pin_memory=True)), which needs an accelerator.
-            return False, "pins host memory: needs an accelerator"
+            # save_on_cpu(pin_memory=True, device_type="cpu") raises at the first saved tensor on a
+            # CPU-only torch ("pin_memory=True requires a CUDA or other accelerator backend").
+            return False, "needs an accelerator (save_on_cpu(pin_memory=True) raises on a CPU-only torch)"
         return True, ""
 
     def setup(self, model: torch.nn.Module) -> None:
