@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
+#include <unordered_map>
 #include <chrono>
 #include <utility>
 
@@ -49,6 +51,19 @@ OffloadStats& cumulative_locked() {
   static OffloadStats s;
   return s;
 }
+
+// Live scopes by id. Global because the pack op receives its scope as an
+// integer from any thread (autograd's worker threads included); guarded by its
+// own mutex; entries are weak and removed by the scope's destructor.
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<int64_t, std::weak_ptr<OffloadScope>>& registry_locked() {
+  static std::unordered_map<int64_t, std::weak_ptr<OffloadScope>> r;
+  return r;
+}
+std::atomic<int64_t> next_scope_id{1};  // ids are never reused
 
 // The stack of current scopes on this thread. Thread-local because the mark op
 // (`mark_hidden_state(x)`) carries no scope argument: it applies to the scope
@@ -116,13 +131,26 @@ OffloadStats cumulative_stats() {
 std::shared_ptr<OffloadScope> OffloadScope::create(OffloadConfig config, std::shared_ptr<HostPool> pool) {
   config.validate();
   TORCH_CHECK_VALUE(pool != nullptr, "hsoffload: OffloadScope needs a host pool");
-  return std::shared_ptr<OffloadScope>(new OffloadScope(config, std::move(pool)));  // private ctor
+  std::shared_ptr<OffloadScope> scope(new OffloadScope(config, std::move(pool)));  // private ctor
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry_locked()[scope->id_] = scope;
+  return scope;
 }
 
 OffloadScope::OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool)
-    : config_(config), pool_(std::move(pool)), mutex_(std::make_shared<std::mutex>()) {}
+    : config_(config), pool_(std::move(pool)), id_(next_scope_id++), mutex_(std::make_shared<std::mutex>()) {}
 
-OffloadScope::~OffloadScope() = default;
+OffloadScope::~OffloadScope() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry_locked().erase(id_);
+}
+
+std::shared_ptr<OffloadScope> OffloadScope::find(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto& registry = registry_locked();
+  auto it = registry.find(id);
+  return it == registry.end() ? nullptr : it->second.lock();
+}
 
 void OffloadScope::enter() {
   {
@@ -162,7 +190,7 @@ void OffloadScope::mark(const at::Tensor& x) {
   if (!active_) {
     return;
   }
-  prune_locked();
+  maybe_prune_locked();
   const uint32_t version = version_of(x);
   for (const auto& m : marks_) {
     if (m.version == version && m.impl.lock().get() == x.unsafeGetTensorImpl()) {
@@ -188,6 +216,13 @@ void OffloadScope::prune_locked() {
   records_.erase(std::remove_if(records_.begin(), records_.end(),
                                 [](const std::weak_ptr<OffloadRecord>& r) { return r.expired(); }),
                  records_.end());
+}
+
+void OffloadScope::maybe_prune_locked() {
+  if (marks_.size() + records_.size() >= prune_at_) {
+    prune_locked();
+    prune_at_ = std::max<size_t>(64, 2 * (marks_.size() + records_.size()));
+  }
 }
 
 int64_t OffloadScope::tracked_state() const {
@@ -321,6 +356,7 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
     record->d2h_done->record(copy_stream);
     record->host.record_use(copy_stream);
   }
+  maybe_prune_locked();
   records_.push_back(record);
   count(stats_, &OffloadStats::offloaded_tensors, 1);
   count(stats_, &OffloadStats::offloaded_bytes, bytes);

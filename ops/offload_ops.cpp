@@ -6,12 +6,22 @@
 #include "hsoffload/host_pool.h"
 #include "hsoffload/scope.h"
 
+#include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 
+#include <memory>
 #include <vector>
 
 namespace hsoffload::ops {
 namespace {
+
+// Owner of a SavedHandle inside a handle tensor's DataPtr.
+struct HandleBox {
+  std::shared_ptr<SavedHandle> handle;
+};
+
+void delete_handle_box(void* box) { delete static_cast<HandleBox*>(box); }  // DataPtr's deleter owns the box
 
 std::vector<int64_t> to_list(const OffloadStats& s) {
   return {s.saved_tensors_seen, s.marked_tensors,  s.offloaded_tensors, s.restored_tensors, s.skipped_marked_tensors,
@@ -24,6 +34,26 @@ std::vector<int64_t> to_list(const PoolStats& s) {
 
 }  // namespace
 
+at::Tensor make_handle_tensor(std::shared_ptr<SavedHandle> handle) {
+  auto box = std::make_unique<HandleBox>(HandleBox{std::move(handle)});
+  at::DataPtr data(nullptr, box.release(), &delete_handle_box, c10::Device(c10::kCPU));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, std::move(data), /*allocator=*/nullptr,
+                       /*resizable=*/false);
+  return at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                  caffe2::TypeMeta::Make<uint8_t>());
+}
+
+const SavedHandle* handle_of(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) {
+    return nullptr;
+  }
+  const at::DataPtr& data = t.storage().data_ptr();
+  if (data.get_deleter() != &delete_handle_box) {
+    return nullptr;
+  }
+  return static_cast<const HandleBox*>(data.get_context())->handle.get();
+}
+
 at::Tensor& mark_hidden_state(at::Tensor& x) {
   TORCH_CHECK_VALUE(x.defined(), "mark_hidden_state: x is an undefined tensor; pass the layer's hidden_states tensor");
   if (auto scope = OffloadScope::current()) {
@@ -32,19 +62,25 @@ at::Tensor& mark_hidden_state(at::Tensor& x) {
   return x;
 }
 
-c10::intrusive_ptr<SavedHandleHolder> offload_pack(const at::Tensor& x,
-                                                   const std::optional<c10::intrusive_ptr<OffloadScopeHolder>>& scope) {
-  std::shared_ptr<OffloadScope> target = scope.has_value() && *scope ? (*scope)->scope : OffloadScope::current();
-  if (!target) {
-    return c10::make_intrusive<SavedHandleHolder>(SavedHandle::passthrough(x));
+at::Tensor offload_pack(const at::Tensor& x, int64_t scope) {
+  std::shared_ptr<OffloadScope> target;
+  if (scope >= 0) {
+    target = OffloadScope::find(scope);
+    TORCH_CHECK_VALUE(target != nullptr, "offload_pack: no live offload scope has id ", scope,
+                      "; pass the id of a scope that still exists (OffloadScope.id()), or -1 for this thread's "
+                      "current scope");
+  } else {
+    target = OffloadScope::current();
   }
-  return c10::make_intrusive<SavedHandleHolder>(target->pack(x));
+  return make_handle_tensor(target ? target->pack(x) : SavedHandle::passthrough(x));
 }
 
-at::Tensor offload_unpack(const c10::intrusive_ptr<SavedHandleHolder>& handle) {
-  TORCH_CHECK_VALUE(handle && handle->handle,
-                    "offload_unpack: handle is empty; pass the object that offload_pack returned");
-  return handle->handle->unpack();
+at::Tensor offload_unpack(const at::Tensor& handle) {
+  const SavedHandle* saved = handle_of(handle);
+  TORCH_CHECK_VALUE(saved != nullptr, "offload_unpack: handle is not a handle tensor (got ",
+                    handle.defined() ? handle.toString() : std::string("an undefined tensor"),
+                    "); pass exactly the tensor that offload_pack returned");
+  return saved->unpack();
 }
 
 c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,

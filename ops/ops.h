@@ -13,9 +13,8 @@
 namespace hsoffload::ops {
 
 at::Tensor& mark_hidden_state(at::Tensor& x);
-c10::intrusive_ptr<SavedHandleHolder> offload_pack(const at::Tensor& x,
-                                                   const std::optional<c10::intrusive_ptr<OffloadScopeHolder>>& scope);
-at::Tensor offload_unpack(const c10::intrusive_ptr<SavedHandleHolder>& handle);
+at::Tensor offload_pack(const at::Tensor& x, int64_t scope);
+at::Tensor offload_unpack(const at::Tensor& handle);
 
 c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
                                                   bool use_streams, int64_t prefetch_depth);

@@ -27,6 +27,7 @@ TORCH_LIBRARY(hsoffload, m) {
       .def("enter", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->enter(); })
       .def("exit", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->exit(); })
       .def("active", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->active(); })
+      .def("id", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->id(); })
       .def("stats", &scope_stats)
       .def("tracked_state",
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->tracked_state(); })
@@ -36,10 +37,6 @@ TORCH_LIBRARY(hsoffload, m) {
       .def_static("pool_limit", &pool_limit)
       .def_static("empty_pool", &empty_pool);
 
-  // What offload_pack returns: the saved tensor itself or its host copy.
-  m.class_<SavedHandleHolder>("SavedHandle")
-      .def("offloaded", [](const c10::intrusive_ptr<SavedHandleHolder>& self) { return self->handle->offloaded(); });
-
   // Returns x itself; marks x for offload when autograd saves it while an
   // offload scope is active on this thread (no-op without one).
   // Note on (a!): marking writes x's offload state. Declaring it as a write is
@@ -48,16 +45,15 @@ TORCH_LIBRARY(hsoffload, m) {
   // torch.compile see straight through it (it traces as identity).
   m.def("mark_hidden_state(Tensor(a!) x) -> Tensor(a!)", &mark_hidden_state);
 
-  // The pack hook: decides passthrough or offload for x and starts the copy.
-  // `scope` defaults to the scope current on this thread; with none, x is kept.
-  m.def(
-      "offload_pack(Tensor x, __torch__.torch.classes.hsoffload.OffloadScope? scope=None) -> "
-      "__torch__.torch.classes.hsoffload.SavedHandle",
-      &offload_pack);
+  // The pack hook: decides passthrough or offload for x, starts the copy and
+  // returns a handle tensor (0-element uint8, owns the saved data; see
+  // holders.h). `scope` is an OffloadScope id; -1: this thread's current scope,
+  // and with none, x is kept as is.
+  m.def("offload_pack(Tensor x, int scope=-1) -> Tensor", &offload_pack);
 
   // The unpack hook: returns a tensor bit-identical to what was packed (waits
   // on the restore's event, prefetches the previous offloaded tensor).
-  m.def("offload_unpack(__torch__.torch.classes.hsoffload.SavedHandle handle) -> Tensor", &offload_unpack);
+  m.def("offload_unpack(Tensor handle) -> Tensor", &offload_unpack);
 
   // FSDP RAM-efficient loading, per from_pretrained call: the storages this
   // process must not initialise, counters of the writes into them that were

@@ -372,9 +372,25 @@ def test_config_validation():
         OffloadScope(hsoffload.OffloadConfig(), min_offload_size=0)
 
 
-def test_unpack_bad_handle_message():
-    with pytest.raises(Exception, match="offload_unpack"):
-        torch.ops.hsoffload.offload_unpack(None)
+def test_bad_handle_and_scope_messages():
+    with pytest.raises(ValueError, match="offload_unpack: handle is not a handle tensor"):
+        torch.ops.hsoffload.offload_unpack(torch.zeros(3))
+    with pytest.raises(ValueError, match="offload_pack: no live offload scope has id 987654"):
+        torch.ops.hsoffload.offload_pack(torch.zeros(3), 987654)
+
+
+def test_handles_work_after_the_scope_object_is_gone(cpu_scope_kwargs):
+    """Backward may run after the scope (and its Python object) is gone: restores still work."""
+    torch.manual_seed(0)
+    ref = Stack()
+    off = copy.deepcopy(ref)
+    x = torch.randn(2, 4, 32)
+    ref(x).backward()
+    with OffloadScope(**cpu_scope_kwargs):
+        loss = off(x)
+    gc.collect()
+    loss.backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), off.parameters()))
 
 
 def test_never_unpacked_branch_does_not_leak(cpu_scope_kwargs):

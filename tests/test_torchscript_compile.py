@@ -86,8 +86,10 @@ def test_load_library_alone_registers_all_ops():
         "import torch, sys; torch.ops.load_library(sys.argv[1]); "
         "names = ['mark_hidden_state', 'offload_pack', 'offload_unpack', 'skip_init_non_rank0']; "
         "assert all(hasattr(torch.ops.hsoffload, n) for n in names); "
-        "x = torch.randn(3); s = torch.classes.hsoffload.OffloadScope(0, True, False, True, 1); "
-        "h = torch.ops.hsoffload.offload_pack(x, s); assert torch.equal(torch.ops.hsoffload.offload_unpack(h), x); "
+        "x = torch.randn(3); s = torch.classes.hsoffload.OffloadScope(0, True, False, True, 1); s.enter(); "
+        "torch.ops.hsoffload.mark_hidden_state(x); h = torch.ops.hsoffload.offload_pack(x, s.id()); "
+        "assert torch.equal(torch.ops.hsoffload.offload_unpack(h), x); s.exit(); "
+        "assert s.stats()[2] == 1, s.stats(); "
         "print('ok')"
     )
     lib = str(hsoffload.load_library())

@@ -120,14 +120,17 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         self._scope = torch.classes.hsoffload.OffloadScope(
             c.min_offload_size, c.offload_cpu_tensors, c.pin_memory, c.use_streams, c.prefetch_depth
         )
-        scope = self._scope
+        scope_id = int(self._scope.id())
         pack_op = torch.ops.hsoffload.offload_pack.default
         unpack_op = torch.ops.hsoffload.offload_unpack.default
 
-        def pack(x: torch.Tensor) -> Any:
-            return pack_op(x, scope)
+        def pack_hook(x: torch.Tensor) -> torch.Tensor:
+            return pack_op(x, scope_id)
 
-        super().__init__(pack, unpack_op)
+        # The exact callables installed as saved-tensor hooks (benchmarks time these).
+        self.pack_hook = pack_hook
+        self.unpack_hook = unpack_op
+        super().__init__(pack_hook, unpack_op)
 
     def __enter__(self) -> "OffloadScope":
         self._scope.enter()

@@ -124,12 +124,17 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
 
   // The scope on top of this thread's stack, or null.
   static std::shared_ptr<OffloadScope> current();
+  // Process-unique id of this scope (never reused), and the live scope with a
+  // given id, or null. Lets hooks name their scope with a plain integer.
+  int64_t id() const { return id_; }
+  static std::shared_ptr<OffloadScope> find(int64_t id);
 
  private:
   friend class SavedHandle;
   OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool);
   bool is_marked_locked(const at::Tensor& x);
   void prune_locked();
+  void maybe_prune_locked();
   std::shared_ptr<OffloadRecord> find_record_locked(const c10::StorageImpl* storage, int64_t begin, int64_t end);
   std::shared_ptr<OffloadRecord> offload_locked(const at::Tensor& x, int64_t begin, int64_t end);
   at::Tensor restore(const SavedHandle& handle);
@@ -139,6 +144,7 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
 
   const OffloadConfig config_;
   const std::shared_ptr<HostPool> pool_;
+  const int64_t id_;
   // Shared with this scope's records so a handle can restore after the scope object is gone.
   const std::shared_ptr<std::mutex> mutex_;
   bool active_ = false;
@@ -150,6 +156,8 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // Live records in pack order (weak: a record lives as long as its handles).
   std::vector<std::weak_ptr<OffloadRecord>> records_;
   int64_t next_seq_ = 0;
+  // Expired marks/records are pruned when the lists reach this size (amortised O(1)).
+  size_t prune_at_ = 64;
   // Side streams per device index: [0] device->host, [1] host->device.
   std::vector<std::pair<c10::Device, std::array<c10::Stream, 2>>> streams_;
   OffloadStats stats_;
