@@ -26,6 +26,7 @@ import hsoffload.fsdp as hf
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "fsdp_worker.py"
 TF53 = ROOT / ".deps" / "tf53"
+TF457 = ROOT / ".deps" / "tf457"  # transformers 4.57.6 (the compatibility matrix's; no #44473 regression there)
 R = torch.classes.hsoffload.InitSkipRecord
 
 
@@ -79,6 +80,8 @@ def _versions() -> list:
     params = [pytest.param(None, id="installed")]
     reason = f"transformers 5.3.0 not installed in {TF53}; run tests/install_extra_transformers.sh"
     params.append(pytest.param(TF53, id="5.3.0", marks=pytest.mark.skipif(not (TF53 / "transformers").is_dir(), reason=reason)))
+    reason = f"transformers 4.57.6 not installed in {TF457}; run tests/install_extra_transformers.sh"
+    params.append(pytest.param(TF457, id="4.57", marks=pytest.mark.skipif(not (TF457 / "transformers").is_dir(), reason=reason)))
     return params
 
 
@@ -90,8 +93,11 @@ def test_two_ranks_skip_init_then_broadcast(tmp_path: Path, checkpoint: Path, tf
     proc = _torchrun(tmp_path, checkpoint, tf_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    if tf_path is not None:
+    major = int(r0["transformers"].split(".")[0])
+    if tf_path == TF53:
         assert r0["transformers"] == "5.3.0" and r0["upstream_fix"] is False
+    elif tf_path == TF457:
+        assert r0["transformers"].startswith("4.57") and r0["upstream_fix"] is False
     else:
         assert r0["upstream_fix"] is (tuple(int(x) for x in r0["transformers"].split(".")[:2]) >= (5, 4))
 
@@ -102,21 +108,24 @@ def test_two_ranks_skip_init_then_broadcast(tmp_path: Path, checkpoint: Path, tf
     rep1 = r1["patched"]["report"]
     assert rep1["skipped"] is True
     assert rep1["flagged_tensors"] == 21  # 2 layers x 9 + embed + norm + lm_head
-    assert rep1["lazy_placeholders"] >= rep1["flagged_tensors"]
+    if major >= 5:  # 5.x materialises non-rank-0 placeholders itself: made lazy; 4.57 keeps them as stock
+        assert rep1["lazy_placeholders"] >= rep1["flagged_tensors"]
     if tf_path is not None:
-        # 5.3: the top model's `_init_weights` is called and writes lm_head in place: dropped.
+        # 5.3 / 4.57: the top model's `_init_weights` is called and writes lm_head in place: dropped.
         assert rep1["dropped_writes"] >= 1
     # Rank 0 is stock: it loads real weights (nonzero) and is not flagged.
     rep0 = r0["patched"]["report"]
     assert rep0["skipped"] is False and "rank 0" in rep0["reason"]
     assert r0["patched"]["writes_on_flagged"] == r0["stock"]["writes_on_flagged"]
     assert not r0["patched"]["param_all_zero"]
-    # Non-rank-0 holds defined zeros (not uninitialized memory) until the broadcast.
-    assert r1["patched"]["param_all_zero"]
+    # Non-rank-0 holds defined zeros (not uninitialized memory) until the broadcast (5.x; 4.57 keeps
+    # non-rank-0 on its own, unchanged path).
+    if major >= 5:
+        assert r1["patched"]["param_all_zero"]
 
     # Non-persistent buffers correct on every rank; after the broadcast everything equals rank 0.
     assert r0["inv_freq_ok"] and r1["inv_freq_ok"]
-    assert r0["digests"] == r1["digests"] and len(r0["digests"]) == 23
+    assert r0["digests"] == r1["digests"] and len(r0["digests"]) >= 22  # 21 tensors + rotary buffer(s)
     assert r0["loss"] == r1["loss"]
     assert r0["grad_finite"] and r1["grad_finite"]
 
