@@ -2,7 +2,8 @@
 side by side in one process on one model.
 
 Per method and sequence length: median step time after warm-up, peak allocated and reserved device
-memory, peak pinned host bytes in use (the CUDA host allocator's `active_bytes.peak`). Then, per
+memory, peak pinned host bytes in use and owned (the CUDA host allocator's `active_bytes.peak` and
+`allocated_bytes.peak`; the latter includes its cache, which it rounds to powers of two). Then, per
 method, one profiled step whose memcpy records give the achieved D2H/H2D bandwidth, compared with a
 pinned-copy peak measured at the start on the same machine; and the longest sequence that fits a
 fixed device-memory budget (predicted from the peaks at two lengths, where memory is linear in the
@@ -68,12 +69,11 @@ def _reset_host_peak() -> None:
             logger.debug("hsoffload bench: reset_peak_host_memory_stats failed", exc_info=True)
 
 
-def _host_peak_in_use() -> Optional[int]:
-    stats = _host_stats()
-    for key in ("active_bytes.peak", "allocated_bytes.peak"):
-        if key in stats:
-            return int(stats[key])
-    return None
+def _host_peak(key: str) -> Optional[int]:
+    """`active_bytes.peak` (pinned blocks handed out: in use, including what the hsoffload pool keeps)
+    or `allocated_bytes.peak` (pinned blocks the CUDA host allocator owns, its cache included)."""
+    value = _host_stats().get(key)
+    return int(value) if value is not None else None
 
 
 # ---------------------------------------------------------------------------
@@ -145,7 +145,8 @@ def measure(
             step_times_s=times,
             peak_allocated=torch.cuda.max_memory_allocated(device),
             peak_reserved=torch.cuda.max_memory_reserved(device),
-            host_pinned_peak=_host_peak_in_use(),
+            host_pinned_peak=_host_peak("active_bytes.peak"),
+            host_pinned_owned_peak=_host_peak("allocated_bytes.peak"),
             counters=method.counters(),
         )
     except Exception as exc:
