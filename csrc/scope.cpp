@@ -273,11 +273,10 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
   const bool marked = x.defined() && !marks_.empty() && is_marked_locked(x);
   if (marked) {
     count(stats_, &OffloadStats::marked_tensors, 1);
-    // Parameters (leaves that require grad) stay where they are even if marked:
-    // they outlive the step, so a host copy would only add traffic.
-    const bool is_parameter = x.is_leaf() && x.requires_grad();
-    const bool device_ok =
-        !is_parameter && x.has_storage() && !x.is_meta() && (!x.is_cpu() || config_.offload_cpu_tensors);
+    // Parameters are refused at mark time by the Python shim (only it can tell
+    // an nn.Parameter from any leaf that requires grad, such as an embedding
+    // output under enable_input_require_grads()).
+    const bool device_ok = x.has_storage() && !x.is_meta() && (!x.is_cpu() || config_.offload_cpu_tensors);
     const auto span = device_ok ? storage_span(x) : std::make_pair<int64_t, int64_t>(0, 0);
     if (device_ok && x.numel() > 0 && span.second - span.first >= config_.min_offload_size) {
       auto record = find_record_locked(x.storage().unsafeGetStorageImpl(), span.first, span.second);

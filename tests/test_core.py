@@ -175,12 +175,20 @@ def test_same_tensor_saved_twice_and_views_copied_once(cpu_scope_kwargs):
 def test_parameters_and_unmarked_pass_through(cpu_scope_kwargs):
     lin = torch.nn.Linear(8, 8)
     with OffloadScope(**cpu_scope_kwargs) as scope:
-        mark(lin.weight)  # a parameter marked by mistake stays where it is
+        assert hsoffload.mark_hidden_state(lin.weight) is lin.weight  # refused: parameters are never offloaded
         x = torch.randn(8, 8, requires_grad=True)
         (lin(x) * lin.weight).sum().backward()  # mul saves the weight itself
     s = scope.stats
-    assert s.saved_tensors_seen >= 4 and s.marked_tensors == 1
-    assert s.skipped_marked_tensors == 1 and s.offloaded_tensors == 0
+    assert s.saved_tensors_seen >= 4 and s.marked_tensors == 0 and s.offloaded_tensors == 0
+
+
+def test_marked_leaf_input_that_requires_grad_is_offloaded(cpu_scope_kwargs):
+    """An embedding output under enable_input_require_grads() is a leaf that requires grad: still offloaded."""
+    x = torch.randn(4, 32, requires_grad=True)
+    with OffloadScope(**cpu_scope_kwargs) as scope:
+        (mark(x) * x).sum().backward()
+    assert scope.stats.offloaded_tensors == 1 and scope.stats.restored_tensors == 2
+    assert torch.equal(x.grad, 2 * x.detach())
 
 
 def test_retain_graph_and_double_unpack(cpu_scope_kwargs):

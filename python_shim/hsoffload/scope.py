@@ -180,7 +180,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 "hsoffload: OffloadScope.mark called while this scope is not the innermost active scope on this "
                 "thread; call it inside `with scope:` on the thread that entered it"
             )
-        return torch.ops.hsoffload.mark_hidden_state(x)
+        return mark_hidden_state(x)
 
     @property
     def active(self) -> bool:
@@ -195,7 +195,8 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         return int(self._scope.tracked_state())
 
 
-_logged_unscoped_mark = threading.Event()  # "log once" flag, process-wide by intent
+_logged_unscoped_mark = threading.Event()  # "log once" flags, process-wide by intent
+_logged_parameter_mark = threading.Event()
 
 
 def mark_hidden_state(x: torch.Tensor) -> torch.Tensor:
@@ -206,6 +207,15 @@ def mark_hidden_state(x: torch.Tensor) -> torch.Tensor:
     if current_scope() is None and not _logged_unscoped_mark.is_set():
         _logged_unscoped_mark.set()
         logger.debug("hsoffload: mark_hidden_state called with no offload scope active on this thread; no effect")
+    if isinstance(x, torch.nn.Parameter):
+        if not _logged_parameter_mark.is_set():
+            _logged_parameter_mark.set()
+            logger.warning(
+                "hsoffload: mark_hidden_state got a parameter (shape %s); parameters live for the whole run and are "
+                "never offloaded. Mark activations such as a layer's hidden_states input instead.",
+                tuple(x.shape),
+            )
+        return x
     return torch.ops.hsoffload.mark_hidden_state(x)
 
 
