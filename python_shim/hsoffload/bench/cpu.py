@@ -101,10 +101,11 @@ def bench_pool(quick: bool, progress: Progress, seed: int = 0) -> dict[str, Any]
         "engine_peak_valid": engine_peak_before == 0,
         "held_over_offloaded": ratio,
         "in_use_over_offloaded": in_use_peak / inflight_peak if inflight_peak else float("nan"),
-        # Per step: held bytes at that step's peak / its bytes in flight (rounding waste shows here
-        # even when the run's longest step happens to be granule-aligned).
-        "worst_step_held_over_offloaded": max(
-            (r["held_peak"] / r["offloaded_bytes"] for r in per_step if r["offloaded_bytes"]), default=float("nan")
+        # Per step: pool bytes in use at that step's peak / its bytes in flight, i.e. the rounding and
+        # best-fit slack alone (it shows even when the run's longest step is granule-aligned). Held
+        # bytes per step are no measure: idle buffers of the previous step are evicted one per miss.
+        "worst_step_in_use_over_offloaded": max(
+            (r["in_use_peak"] / r["offloaded_bytes"] for r in per_step if r["offloaded_bytes"]), default=float("nan")
         ),
         "engine_peak_over_offloaded": engine_peak / inflight_peak if inflight_peak else float("nan"),
         "allocations": stats.allocations,
@@ -417,7 +418,7 @@ def report(result: dict[str, Any]) -> str:
             f"Host pool, {p['steps']} steps with sequence lengths {min(p['seq_lengths'])}..{max(p['seq_lengths'])}: "
             f"peak held {fb(p['peak_held_bytes'])} / peak in flight {fb(p['peak_inflight_offloaded_bytes'])} = "
             f"{p['held_over_offloaded']:.4f} ({verdict} goal <= {p['goal']}); in use (rounded) / in flight = "
-            f"{p['in_use_over_offloaded']:.4f}; worst single step held/in flight {p['worst_step_held_over_offloaded']:.4f}; "
+            f"{p['in_use_over_offloaded']:.4f}; worst single step in use/in flight {p['worst_step_in_use_over_offloaded']:.4f}; "
             f"pool allocations {p['allocations']}, reuses {p['reuses']}"
         )
     return "\n\n".join(parts)

@@ -102,6 +102,7 @@ class SaveOnCpu(Method):
         self.pin_memory = pin_memory
         if not pin_memory:
             self.name = "save_on_cpu(pageable)"
+            self.description = "torch.autograd.graph.save_on_cpu(pin_memory=False) around the step (CPU run)"
 
     def available(self) -> tuple[bool, str]:
         if self.pin_memory and _accelerator() is None:
