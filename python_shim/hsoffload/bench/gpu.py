@@ -107,6 +107,20 @@ def pinned_copy_peak(device: torch.device, nbytes: int = 1 << 30, reps: int = 5)
 # Measurements
 
 
+def _teardown(method: Method, model: torch.nn.Module) -> None:
+    """Undo `method.setup` (also after a failed setup) and give back pinned and device memory."""
+    try:
+        method.teardown(model)
+    except Exception:  # a half set-up peer; the next method sets the model up again
+        logger.warning("hsoffload bench: teardown of %s failed", method.name, exc_info=True)
+    model.zero_grad(set_to_none=True)
+    if method.name == "hsoffload":
+        import hsoffload
+
+        hsoffload.empty_pool()
+    _cleanup()
+
+
 def _steps(
     method: Method, model: torch.nn.Module, batch: dict[str, torch.Tensor], n: int, device: torch.device
 ) -> list[float]:
@@ -132,8 +146,8 @@ def measure(
 ) -> dict[str, Any]:
     row: dict[str, Any] = {"method": method.name, "seq": seq}
     batch = common.make_batch(shape, 1, seq, seed=seq, device=device, labels=False)
-    method.setup(model)
     try:
+        method.setup(model)
         _cleanup()
         _steps(method, model, batch, warmup, device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -154,12 +168,7 @@ def measure(
         row.update(status="oom" if _is_oom(exc) else "error", error=f"{type(exc).__name__}: {str(exc)[:300]}")
     finally:
         del batch
-        method.teardown(model)
-        if method.name == "hsoffload":
-            import hsoffload
-
-            hsoffload.empty_pool()
-        _cleanup()
+        _teardown(method, model)
     return row
 
 
@@ -170,11 +179,11 @@ def profile_copies(
     from torch.profiler import ProfilerActivity, profile
 
     batch = common.make_batch(shape, 1, seq, seed=seq, device=device, labels=False)
-    method.setup(model)
     out: dict[str, Any] = {"method": method.name, "seq": seq}
     trace = tempfile.NamedTemporaryFile(suffix=".json", delete=False)
     trace.close()
     try:
+        method.setup(model)
         _steps(method, model, batch, 1, device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             _steps(method, model, batch, 1, device)
@@ -201,12 +210,7 @@ def profile_copies(
     finally:
         os.unlink(trace.name)
         del batch
-        method.teardown(model)
-        if method.name == "hsoffload":
-            import hsoffload
-
-            hsoffload.empty_pool()
-        _cleanup()
+        _teardown(method, model)
     return out
 
 
@@ -243,8 +247,8 @@ def longest_fit(
                 out["status"] = "time limit"
                 break
             batch = common.make_batch(shape, 1, candidate, seed=candidate, device=device, labels=False)
-            method.setup(model)
             try:
+                method.setup(model)
                 _cleanup()
                 _steps(method, model, batch, 1, device)
                 out.update(status="ok", verified_seq=candidate)
@@ -258,12 +262,7 @@ def longest_fit(
                 candidate = max(1024, int(candidate * 0.94) // 1024 * 1024)
             finally:
                 del batch
-                method.teardown(model)
-                if method.name == "hsoffload":
-                    import hsoffload
-
-                    hsoffload.empty_pool()
-                _cleanup()
+                _teardown(method, model)
         else:
             out["status"] = "no fit within 3 tries"
     finally:
@@ -319,6 +318,8 @@ def run(args: argparse.Namespace, progress_enabled: bool = True) -> dict[str, An
     }
     total = 1 + len(seqs) * len(usable) + 2 * len(usable)
     progress = Progress(total, "hsoffload bench gpu", progress_enabled)
+    rows: list[dict[str, Any]] = []
+    result["runs"] = rows
     try:
         progress.note("pinned-copy peak")
         result["copy_peak"] = pinned_copy_peak(device)
@@ -326,7 +327,6 @@ def run(args: argparse.Namespace, progress_enabled: bool = True) -> dict[str, An
 
         shape = LlamaShape.llama3_8b(args.layers, 4 * max(seqs))
         model = common.build_model(shape, seed=0, device=device, dtype=torch.bfloat16, causal_lm=False)
-        rows: list[dict[str, Any]] = []
         # Short lengths first, the longest last: a time-boxed run still covers the cheap ones.
         for seq in seqs:
             for m in usable:
@@ -346,9 +346,11 @@ def run(args: argparse.Namespace, progress_enabled: bool = True) -> dict[str, An
                 _bandwidth_and_fit(args, result, usable, model, shape, rows, device, deadline, progress, fit_layers)
         if "bandwidth" not in result:
             _bandwidth_and_fit(args, result, usable, model, shape, rows, device, deadline, progress, fit_layers)
-        result["runs"] = rows
-        result["summary"] = summarize(rows, result)
+    except Exception as exc:  # report what was measured before the failure
+        logger.exception("hsoffload bench: the GPU suite stopped early")
+        result["errors"].append({"method": None, "seq": None, "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
     finally:
+        result["summary"] = summarize(rows, result)
         progress.close()
         result["elapsed_s"] = time.monotonic() - start
     return result
