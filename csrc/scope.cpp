@@ -216,6 +216,9 @@ void OffloadScope::prune_locked() {
   records_.erase(std::remove_if(records_.begin(), records_.end(),
                                 [](const std::weak_ptr<OffloadRecord>& r) { return r.expired(); }),
                  records_.end());
+  for (auto it = by_storage_.begin(); it != by_storage_.end();) {
+    it = it->second.expired() ? by_storage_.erase(it) : std::next(it);
+  }
 }
 
 void OffloadScope::maybe_prune_locked() {
@@ -302,8 +305,9 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
 
 std::shared_ptr<OffloadRecord> OffloadScope::find_record_locked(const c10::StorageImpl* storage, int64_t begin,
                                                                 int64_t end) {
-  for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
-    auto record = it->lock();
+  auto range = by_storage_.equal_range(storage);
+  for (auto it = range.first; it != range.second; ++it) {
+    auto record = it->second.lock();
     if (record && record->begin <= begin && end <= record->end && record->source.lock().get() == storage) {
       return record;
     }
@@ -357,6 +361,7 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
   }
   maybe_prune_locked();
   records_.push_back(record);
+  by_storage_.emplace(x.storage().unsafeGetStorageImpl(), record);
   count(stats_, &OffloadStats::offloaded_tensors, 1);
   count(stats_, &OffloadStats::offloaded_bytes, bytes);
   return record;

@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 namespace hsoffload {
@@ -155,6 +156,11 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   std::vector<Mark> marks_;
   // Live records in pack order (weak: a record lives as long as its handles).
   std::vector<std::weak_ptr<OffloadRecord>> records_;
+  // The same records by source storage, for dedup lookups in O(1). The key is
+  // only compared, never dereferenced; a hit is confirmed through the record's
+  // weak reference to its storage, so an address reused by a new storage never
+  // matches.
+  std::unordered_multimap<const c10::StorageImpl*, std::weak_ptr<OffloadRecord>> by_storage_;
   int64_t next_seq_ = 0;
   // Expired marks/records are pruned when the lists reach this size (amortised O(1)).
   size_t prune_at_ = 64;
