@@ -9,7 +9,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 COMPILE_CHECK_TORCH ?= 2.11.0 2.14.1
 
-.PHONY: all venv build install test test-cpp compile-check demo bench gpu-check clean
+.PHONY: all venv build install test test-cpp compile-check test-torch214 demo bench gpu-check clean
 
 all: test
 
@@ -43,6 +43,19 @@ test-cpp: $(STAMP)
 	cmake -S . -B build/cpp -G Ninja -DHSOFFLOAD_BUILD_TESTS=ON -DHSOFFLOAD_PYTHON=$(abspath $(PY))
 	cmake --build build/cpp
 	ctest --test-dir build/cpp --output-on-failure
+
+# The torch 2.14 leg of the CI matrix: the same suites against the torch 2.14.1 wheel (a CUDA build,
+# run on the CPU), in a venv of its own. .ci/run calls it after `make test`.
+VENV214 ?= .venv-torch214
+$(VENV214)/.deps-stamp: requirements/dev.txt
+	test -x $(VENV214)/bin/python || $(PYTHON) -m venv $(VENV214)
+	$(VENV214)/bin/python -m pip install -q torch==2.14.1 -r requirements/dev.txt
+	touch $@
+
+test-torch214: $(VENV214)/.deps-stamp
+	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps .
+	$(VENV214)/bin/python -m pytest -q tests/test_core.py tests/test_torchscript_compile.py tests/test_loader.py \
+		tests/test_transformers_models.py tests/test_patch.py tests/test_fsdp.py tests/test_axolotl.py
 
 demo: install
 	$(VENV)/bin/hsoffload demo
