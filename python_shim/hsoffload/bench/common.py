@@ -71,7 +71,7 @@ class LlamaShape:
         return self.num_hidden_layers * batch * seq * self.hidden_size * itemsize
 
 
-def llama_config(shape: LlamaShape) -> Any:
+def llama_config(shape: LlamaShape, attn_implementation: str = "sdpa") -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -83,7 +83,7 @@ def llama_config(shape: LlamaShape) -> Any:
         num_key_value_heads=shape.num_key_value_heads,
         max_position_embeddings=shape.max_position_embeddings,
         rope_theta=shape.rope_theta,
-        attn_implementation="sdpa",
+        attn_implementation=attn_implementation,
         use_cache=False,
     )
 
@@ -105,19 +105,27 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     causal_lm: bool = True,
+    attn_implementation: Optional[str] = None,
 ) -> torch.nn.Module:
     """A randomly initialised Llama on `device`, identical for identical `seed`.
 
     `causal_lm=False` builds the head-less `LlamaModel`: the GPU suite uses it because at 128k
     tokens the LM head's fp32 logits (128k x 128256 x 4 bytes = 64 GiB) would dwarf what
     hidden-state offload is about.
+
+    `attn_implementation` defaults to "sdpa" on CPU and "eager" on CUDA: the fused SDPA backward
+    kernels on CUDA (flash, and memory-efficient for fp32) accumulate dQ with atomics, so two runs
+    of the same model are not bit-identical there, and the demo compares runs bit for bit. The GPU
+    suite asks for "sdpa" (memory linear in the sequence length); it compares no bits.
     """
     from transformers import LlamaForCausalLM, LlamaModel
 
+    if attn_implementation is None:
+        attn_implementation = "eager" if torch.device(device).type == "cuda" else "sdpa"
     torch.manual_seed(seed)
     cls = LlamaForCausalLM if causal_lm else LlamaModel
     with _default_dtype(dtype), torch.device(device):
-        model = cls(llama_config(shape))
+        model = cls(llama_config(shape, attn_implementation))
     model.train()
     return model
 

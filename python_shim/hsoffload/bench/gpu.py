@@ -13,8 +13,12 @@ length with SDPA attention, then verified with one step under
 The model is head-less (`LlamaModel`; loss = mean square of the last hidden state): at 128k tokens
 the LM head's fp32 logits alone would be 64 GiB, which is not what hidden-state offload is about.
 
-Everything is ordered cheapest first and guarded by `--time-limit`, so a time-boxed run still
-reports what it measured. This module imports on a CPU-only machine; `run` needs CUDA.
+Everything is ordered cheapest first and guarded by `--time-limit`: a measurement is started only
+if its predicted duration (the step time at the longest shorter length already measured, scaled
+quadratically with the length: an upper bound when step time is c + a*seq + b*seq^2) ends before
+the limit. With `--json`, the results so far are rewritten after every measurement, so a run that
+is killed from outside still leaves what it measured. This module imports on a CPU-only machine;
+`run` needs CUDA.
 """
 
 from __future__ import annotations
@@ -51,6 +55,39 @@ def _cleanup() -> None:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    # Pinned blocks cached by the CUDA host allocator for the previous method would count in the
+    # next method's `allocated_bytes` (owned) peak; give them back (completed blocks only).
+    empty_host = getattr(torch._C, "_host_emptyCache", None)
+    if empty_host is not None:
+        try:
+            empty_host()
+        except Exception:
+            logger.debug("hsoffload bench: emptying the pinned host cache failed", exc_info=True)
+
+
+# Setup, warm allocation and teardown around the timed steps of one measurement (generous).
+_OVERHEAD_S = 8.0
+
+
+def _predict_step_s(rows: list[dict[str, Any]], method: str, seq: int) -> Optional[float]:
+    """Step time at `seq`, scaled quadratically from the longest length up to `seq` measured (this
+    method's rows, else the slowest method's). None when nothing that short was measured."""
+    done = [r for r in rows if r.get("status") == "ok" and r.get("step_s") and r["seq"] <= seq]
+    own = [r for r in done if r["method"] == method]
+    pool = own or done
+    if not pool:
+        return None
+    longest = max(r["seq"] for r in pool)
+    step = max(r["step_s"] for r in pool if r["seq"] == longest)
+    return step * (seq / longest) ** 2
+
+
+def _time_left_for(predicted_s: Optional[float], deadline: float) -> bool:
+    return predicted_s is None or time.monotonic() + predicted_s <= deadline
+
+
+def _skip_reason(predicted_s: float, deadline: float) -> str:
+    return f"skipped: time limit (predicted {predicted_s:.0f} s, {max(0.0, deadline - time.monotonic()):.0f} s left)"
 
 
 def _host_stats() -> dict[str, Any]:
@@ -243,8 +280,10 @@ def longest_fit(
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
     try:
         for _ in range(3):
-            if time.monotonic() > deadline:
-                out["status"] = "time limit"
+            step = _predict_step_s(rows, method.name, candidate)
+            predicted_s = None if step is None else step + _OVERHEAD_S
+            if time.monotonic() > deadline or not _time_left_for(predicted_s, deadline):
+                out["status"] = "time limit" if predicted_s is None else _skip_reason(predicted_s, deadline)
                 break
             batch = common.make_batch(shape, 1, candidate, seed=candidate, device=device, labels=False)
             try:
@@ -313,9 +352,29 @@ def run(args: argparse.Namespace, progress_enabled: bool = True) -> dict[str, An
             "time_limit_s": args.time_limit,
         },
         "goals": GOALS,
+        "notes": [
+            "freed_over_hidden compares peak allocated memory: at the backward peak hsoffload holds the "
+            "restored input of the layer being recomputed plus the prefetched one (prefetch_depth 1), so "
+            "its ceiling is (layers - 2) / layers of the hidden-state bytes, not 1",
+        ],
         "skipped_methods": skipped,
         "errors": [],
     }
+    json_path = getattr(args, "json", None)
+
+    def save() -> None:
+        """Rewrite --json with the results so far (the CLI writes the final file at the end)."""
+        if not json_path:
+            return
+        try:
+            common.write_json(json_path, {"environment": result["environment"], "gpu": result, "partial": True})
+        except Exception:
+            logger.warning("hsoffload bench: could not write partial results to %s", json_path, exc_info=True)
+
+    # Time is spent where it matters most first: plain checkpointing and hsoffload come first at
+    # every length (usable keeps all_methods' order), and their fits run before the longest length.
+    key = [m for m in usable if m.name in ("checkpointing", "hsoffload")]
+    peers = [m for m in usable if m.name not in ("checkpointing", "hsoffload")]
     total = 1 + len(seqs) * len(usable) + 2 * len(usable)
     progress = Progress(total, "hsoffload bench gpu", progress_enabled)
     rows: list[dict[str, Any]] = []
@@ -326,26 +385,37 @@ def run(args: argparse.Namespace, progress_enabled: bool = True) -> dict[str, An
         progress.update("copy peak")
 
         shape = LlamaShape.llama3_8b(args.layers, 4 * max(seqs))
-        model = common.build_model(shape, seed=0, device=device, dtype=torch.bfloat16, causal_lm=False)
+        model = common.build_model(
+            shape, seed=0, device=device, dtype=torch.bfloat16, causal_lm=False, attn_implementation="sdpa"
+        )
         # Short lengths first, the longest last: a time-boxed run still covers the cheap ones.
+        save()
         for seq in seqs:
             for m in usable:
-                if time.monotonic() > deadline:
-                    rows.append({"method": m.name, "seq": seq, "status": "skipped: time limit"})
+                step = _predict_step_s(rows, m.name, seq)
+                predicted = None if step is None else step * (args.warmup + args.steps) + _OVERHEAD_S
+                if time.monotonic() > deadline or not _time_left_for(predicted, deadline):
+                    why = "skipped: time limit" if predicted is None else _skip_reason(predicted, deadline)
+                    rows.append({"method": m.name, "seq": seq, "status": why})
                     progress.update()
                     continue
                 progress.note(f"{m.name} seq={seq}")
                 row = measure(m, model, shape, seq, args.warmup, args.steps, device)
                 row["hidden_state_bytes"] = shape.hidden_state_bytes(1, seq, torch.bfloat16)
+                if predicted is not None:
+                    row["predicted_s"] = predicted
                 rows.append(row)
                 if row["status"] == "error":
                     result["errors"].append(row)
+                save()
                 progress.update(f"{m.name} seq={seq}")
             if seq == seqs[min(1, len(seqs) - 1)]:
-                # After the second length: bandwidth and fit, before the expensive 128k runs.
-                _bandwidth_and_fit(args, result, usable, model, shape, rows, device, deadline, progress, fit_layers)
-        if "bandwidth" not in result:
-            _bandwidth_and_fit(args, result, usable, model, shape, rows, device, deadline, progress, fit_layers)
+                # After the second length, before the expensive longest runs: bandwidth, and the
+                # longest fit of the two methods the suite is about (the peers' fits come last).
+                _bandwidth(args, result, usable, model, shape, rows, device, deadline, progress)
+                _fits(args, result, key, model, shape, rows, device, deadline, progress, fit_layers)
+                save()
+        _fits(args, result, peers, model, shape, rows, device, deadline, progress, fit_layers)
     except Exception as exc:  # report what was measured before the failure
         logger.exception("hsoffload bench: the GPU suite stopped early")
         result["errors"].append({"method": None, "seq": None, "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
@@ -353,10 +423,11 @@ def run(args: argparse.Namespace, progress_enabled: bool = True) -> dict[str, An
         result["summary"] = summarize(rows, result)
         progress.close()
         result["elapsed_s"] = time.monotonic() - start
+        save()
     return result
 
 
-def _bandwidth_and_fit(
+def _bandwidth(
     args: argparse.Namespace,
     result: dict[str, Any],
     usable: list[Method],
@@ -366,7 +437,6 @@ def _bandwidth_and_fit(
     device: torch.device,
     deadline: float,
     progress: Progress,
-    fit_layers: int,
 ) -> None:
     ran = sorted({r["seq"] for r in rows if r.get("status") == "ok"})
     prof_seq = args.profile_seq or (32768 if 32768 in ran else (ran[-1] if ran else min(args.seqs)))
@@ -375,8 +445,11 @@ def _bandwidth_and_fit(
         if m.name == "checkpointing":
             progress.update()
             continue
-        if time.monotonic() > deadline:
-            bw.append({"method": m.name, "status": "skipped: time limit"})
+        step = _predict_step_s(rows, m.name, prof_seq)
+        predicted = None if step is None else 2 * 1.5 * step + _OVERHEAD_S  # warm-up + profiled step
+        if time.monotonic() > deadline or not _time_left_for(predicted, deadline):
+            why = "skipped: time limit" if predicted is None else _skip_reason(predicted, deadline)
+            bw.append({"method": m.name, "seq": prof_seq, "status": why})
         else:
             progress.note(f"profile {m.name}")
             entry = profile_copies(m, model, shape, prof_seq, device)
@@ -386,25 +459,40 @@ def _bandwidth_and_fit(
         progress.update(f"profile {m.name}")
     result["bandwidth"] = bw
 
-    fits: list[dict[str, Any]] = []
+
+def _fits(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    methods: list[Method],
+    model: torch.nn.Module,
+    shape: LlamaShape,
+    rows: list[dict[str, Any]],
+    device: torch.device,
+    deadline: float,
+    progress: Progress,
+    fit_layers: int,
+) -> None:
+    """The longest fitting length of each of `methods`, appended to result["fit"]."""
+    fits: list[dict[str, Any]] = result.setdefault("fit", [])
     budget = int(args.budget_gib * (1 << 30))
     if fit_layers != shape.num_hidden_layers:
-        fits.append({"status": "skipped: --fit-layers differs from --layers (one model per process)"})
-    else:
-        for m in usable:
-            if time.monotonic() > deadline:
-                fits.append({"method": m.name, "status": "skipped: time limit"})
-            else:
-                progress.note(f"fit {m.name}")
-                fits.append(longest_fit(m, model, shape, rows, budget, device, deadline))
-            progress.update(f"fit {m.name}")
-    result["fit"] = fits
+        if not fits:
+            fits.append({"status": "skipped: --fit-layers differs from --layers (one model per process)"})
+        return
+    for m in methods:
+        if time.monotonic() > deadline:
+            fits.append({"method": m.name, "status": "skipped: time limit"})
+        else:
+            progress.note(f"fit {m.name}")
+            fits.append(longest_fit(m, model, shape, rows, budget, device, deadline))
+        progress.update(f"fit {m.name}")
 
 
 def summarize(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[dict[str, Any]]:
     """Per method and length: ratios to plain checkpointing, and the goals."""
     base = {r["seq"]: r for r in rows if r["method"] == "checkpointing" and r.get("status") == "ok"}
     peak = result.get("copy_peak", {})
+    layers = int(result.get("config", {}).get("layers") or 0)
     bw = {b["method"]: b for b in result.get("bandwidth", []) if b.get("status") == "ok"}
     out = []
     for r in rows:
@@ -417,6 +505,8 @@ def summarize(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[dict[s
             freed = b["peak_allocated"] - r["peak_allocated"]
             s["freed_bytes"] = freed
             s["freed_over_hidden"] = freed / r["hidden_state_bytes"]
+            if layers > 2:  # see result["notes"]: the ceiling at the backward peak is (layers - 2) / layers
+                s["freed_over_ceiling"] = freed / (r["hidden_state_bytes"] * (layers - 2) / layers)
         m_bw = bw.get(r["method"])
         if m_bw and peak:
             for d in ("d2h", "h2d"):
