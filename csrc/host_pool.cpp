@@ -1,5 +1,7 @@
 #include "hsoffload/host_pool.h"
 
+#include <ATen/DeviceAccelerator.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -136,6 +138,10 @@ void HostPool::give_back(at::Tensor buffer, bool pinned, bool pooled, std::share
   }
 }
 
+// Frees idle buffers without waiting for their last device use: safe because
+// pinned buffers come from the accelerator's caching host allocator, which
+// records an event for every non-blocking copy and does not reuse a block
+// before that event completes; pageable buffers are only copied synchronously.
 void HostPool::trim_locked(int64_t target_bytes) {
   for (auto& idle : idle_) {
     while (stats_.held_bytes > target_bytes && !idle.empty()) {
@@ -165,8 +171,17 @@ void HostPool::set_max_bytes(int64_t max_bytes) {
 }
 
 void HostPool::empty_cache() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  trim_locked(stats_.in_use_bytes);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    trim_locked(stats_.in_use_bytes);
+  }
+  // Our pinned buffers come from the accelerator's caching host allocator,
+  // which keeps freed blocks cached; hand them back to the system too.
+  if (const auto accelerator = at::getAccelerator(/*checked=*/false)) {
+    if (auto* host = at::getHostAllocator(*accelerator)) {
+      host->empty_cache();
+    }
+  }
 }
 
 namespace {

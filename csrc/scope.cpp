@@ -19,6 +19,7 @@ namespace hsoffload {
 // with the last of them, i.e. with the autograd graph that saved it.
 struct OffloadRecord {
   int64_t seq = 0;  // pack order within the scope
+  int64_t epoch = 0;  // the scope entry that packed it
   c10::Device device{c10::kCPU};
   c10::weak_intrusive_ptr<c10::StorageImpl> source{c10::intrusive_ptr<c10::StorageImpl>()};
   uint32_t source_version = 0;
@@ -30,10 +31,10 @@ struct OffloadRecord {
   std::shared_ptr<c10::Event> d2h_done;  // null when the copy was synchronous
   // Restore state, guarded by `mutex`.
   at::Tensor prefetched;  // device bytes of a restore started ahead of its unpack
-  std::shared_ptr<c10::Event> h2d_done;
+  std::shared_ptr<c10::Event> h2d_done;  // kept: every consumer stream waits on it
+  std::optional<c10::Stream> alloc_stream;  // stream whose pool owns the restored block
   c10::weak_intrusive_ptr<c10::StorageImpl> restored{c10::intrusive_ptr<c10::StorageImpl>()};  // last restore, while someone holds it
-  std::shared_ptr<std::mutex> mutex;  // the owning scope's mutex (outlives the scope)
-  std::weak_ptr<OffloadScope> scope;
+  std::shared_ptr<std::mutex> mutex;  // the owning scope's mutex
   bool use_streams = true;
 
   int64_t bytes() const { return end - begin; }
@@ -69,6 +70,8 @@ std::atomic<int64_t> next_scope_id{1};  // ids are never reused
 // (`mark_hidden_state(x)`) carries no scope argument: it applies to the scope
 // the calling thread entered, and scopes on other threads are independent.
 thread_local std::vector<std::shared_ptr<OffloadScope>> tls_scopes;
+
+constexpr int64_t kSpanAlignment = 512;  // the CUDA caching allocator's block alignment
 
 // [begin, end) byte range of the storage that holds every element of `x`.
 std::pair<int64_t, int64_t> storage_span(const at::Tensor& x) {
@@ -155,7 +158,11 @@ std::shared_ptr<OffloadScope> OffloadScope::find(int64_t id) {
 void OffloadScope::enter() {
   {
     std::lock_guard<std::mutex> lock(*mutex_);
+    TORCH_CHECK(!active_,
+                "hsoffload: this offload scope is already active; entering it again would end it at the inner exit. "
+                "Nest a new OffloadScope instead.");
     active_ = true;
+    ++epoch_;
   }
   tls_scopes.push_back(shared_from_this());
 }
@@ -182,7 +189,7 @@ std::shared_ptr<OffloadScope> OffloadScope::current() {
 }
 
 void OffloadScope::mark(const at::Tensor& x) {
-  TORCH_CHECK_VALUE(x.defined(), "mark_hidden_state: x is an undefined tensor; pass the layer's hidden_states tensor");
+  TORCH_INTERNAL_ASSERT(x.defined());  // checked by the op adapter
   if (!x.has_storage() || x.is_meta()) {
     return;  // fake/meta tensors while tracing, sparse or nested tensors: nothing to offload
   }
@@ -191,13 +198,9 @@ void OffloadScope::mark(const at::Tensor& x) {
     return;
   }
   maybe_prune_locked();
-  const uint32_t version = version_of(x);
-  for (const auto& m : marks_) {
-    if (m.version == version && m.impl.lock().get() == x.unsafeGetTensorImpl()) {
-      return;  // marked already
-    }
+  if (!is_marked_locked(x)) {
+    marks_.push_back(Mark{c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr()), version_of(x)});
   }
-  marks_.push_back(Mark{c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr()), version});
 }
 
 bool OffloadScope::is_marked_locked(const at::Tensor& x) {
@@ -270,7 +273,7 @@ std::shared_ptr<SavedHandle> SavedHandle::passthrough(const at::Tensor& x) {
 
 std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
   auto handle = SavedHandle::passthrough(x);
-  handle->scope_ = weak_from_this();
+  handle->scope_ = shared_from_this();
   std::lock_guard<std::mutex> lock(*mutex_);
   count(stats_, &OffloadStats::saved_tensors_seen, 1);
   const bool marked = x.defined() && !marks_.empty() && is_marked_locked(x);
@@ -280,11 +283,16 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
     // an nn.Parameter from any leaf that requires grad, such as an embedding
     // output under enable_input_require_grads()).
     const bool device_ok = x.has_storage() && !x.is_meta() && (!x.is_cpu() || config_.offload_cpu_tensors);
-    const auto span = device_ok ? storage_span(x) : std::make_pair<int64_t, int64_t>(0, 0);
+    auto span = device_ok ? storage_span(x) : std::make_pair<int64_t, int64_t>(0, 0);
     if (device_ok && x.numel() > 0 && span.second - span.first >= config_.min_offload_size) {
+      // Start the copy at a 512-byte boundary of the storage: the restored
+      // tensor then has the same data-pointer alignment as the original, so
+      // kernels pick the same algorithms (bit-identical results).
+      span.first -= span.first % kSpanAlignment;
       auto record = find_record_locked(x.storage().unsafeGetStorageImpl(), span.first, span.second);
+      const int64_t x_begin = x.storage_offset() * static_cast<int64_t>(x.element_size());
       if (record && (record->source_version != version_of(x) ||
-                     (span.first - record->begin) % static_cast<int64_t>(x.element_size()) != 0)) {
+                     (x_begin - record->begin) % static_cast<int64_t>(x.element_size()) != 0)) {
         record = nullptr;  // same storage but new contents (or misaligned for this dtype): copy again
       }
       if (!record) {
@@ -295,7 +303,9 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
       handle->dtype_ = x.scalar_type();
       handle->sizes_ = x.sizes().vec();
       handle->strides_ = x.strides().vec();
-      handle->offset_in_span_ = (span.first - handle->record_->begin) / static_cast<int64_t>(x.element_size());
+      handle->offset_in_span_ =
+          (x.storage_offset() * static_cast<int64_t>(x.element_size()) - handle->record_->begin) /
+          static_cast<int64_t>(x.element_size());
       return handle;
     }
     count(stats_, &OffloadStats::skipped_marked_tensors, 1);
@@ -318,13 +328,13 @@ std::shared_ptr<OffloadRecord> OffloadScope::find_record_locked(const c10::Stora
 std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x, int64_t begin, int64_t end) {
   auto record = std::make_shared<OffloadRecord>();
   record->seq = next_seq_++;
+  record->epoch = epoch_;
   record->device = x.device();
   record->source = x.storage().getWeakStorageImpl();
   record->source_version = version_of(x);
   record->begin = begin;
   record->end = end;
   record->mutex = mutex_;
-  record->scope = weak_from_this();
   record->use_streams = config_.use_streams;
   const int64_t bytes = end - begin;
   const bool on_cpu = x.is_cpu();
@@ -381,6 +391,7 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
   }
   c10::impl::VirtualGuardImpl impl(record.device.type());
   const c10::Stream compute = impl.getStream(record.device);
+  record.alloc_stream = compute;
   c10::Stream copy_stream = compute;
   if (record.use_streams) {
     copy_stream = side_stream_locked(record.device, 1);
@@ -393,7 +404,7 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
   }
   {
     c10::StreamGuard guard(copy_stream);
-    dev.copy_(src, /*non_blocking=*/src.is_pinned());
+    dev.copy_(src, /*non_blocking=*/record.host.pinned());
   }
   if (copy_stream != compute) {
     impl.recordDataPtrOnStream(dev.storage().data_ptr(), copy_stream);
@@ -404,12 +415,15 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
   record.prefetched = dev;
 }
 
-void OffloadScope::prefetch_before_locked(int64_t seq) {
+void OffloadScope::prefetch_before_locked(int64_t seq, int64_t epoch) {
   int64_t issued = 0;
   for (auto it = records_.rbegin(); it != records_.rend() && issued < config_.prefetch_depth; ++it) {
     auto record = it->lock();
     if (!record || record->seq >= seq) {
       continue;
+    }
+    if (record->epoch != epoch) {
+      break;  // records are in pack order: everything before belongs to an earlier entry
     }
     ++issued;
     if (record->prefetched.defined() || !record->restored.expired()) {
@@ -434,17 +448,23 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
     }
     dev = std::move(record.prefetched);
     record.prefetched = at::Tensor();
-    if (record.h2d_done) {
-      c10::impl::VirtualGuardImpl impl(record.device.type());
-      record.h2d_done->block(impl.getStream(record.device));  // device-side wait, no host sync
-      record.h2d_done = nullptr;
-    }
     record.restored = dev.storage().getWeakStorageImpl();
     count(stats_, hit ? &OffloadStats::prefetch_hits : &OffloadStats::wait_ns,
           hit ? 1 : std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
     count(stats_, &OffloadStats::restored_bytes, record.bytes());
     if (config_.prefetch_depth > 0) {
-      prefetch_before_locked(record.seq);
+      prefetch_before_locked(record.seq, record.epoch);
+    }
+  }
+  if (record.h2d_done) {
+    // Every consumer waits for the copy on its own current stream (device-side
+    // wait, no host sync); a consumer on another stream than the one that
+    // allocated the block is made known to the allocator.
+    c10::impl::VirtualGuardImpl impl(record.device.type());
+    const c10::Stream consumer = impl.getStream(record.device);
+    record.h2d_done->block(consumer);
+    if (record.alloc_stream && *record.alloc_stream != consumer) {
+      impl.recordDataPtrOnStream(dev.storage().data_ptr(), consumer);
     }
   }
   count(stats_, &OffloadStats::restored_tensors, 1);
@@ -473,13 +493,7 @@ at::Tensor SavedHandle::unpack() const {
   if (!record_) {
     return passthrough_;
   }
-  if (auto scope = scope_.lock()) {
-    return scope->restore(*this);
-  }
-  // The scope object is gone but the graph still holds this handle: restore
-  // through a temporary scope so the same code path (and counters) apply.
-  auto orphan = OffloadScope::create(OffloadConfig{}, global_host_pool());
-  return orphan->restore(*this);
+  return scope_->restore(*this);
 }
 
 }  // namespace hsoffload

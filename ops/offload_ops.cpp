@@ -63,6 +63,8 @@ at::Tensor& mark_hidden_state(at::Tensor& x) {
 }
 
 at::Tensor offload_pack(const at::Tensor& x, int64_t scope) {
+  TORCH_CHECK_VALUE(scope >= -1, "offload_pack: scope must be an OffloadScope id (>= 0) or -1 for this thread's "
+                    "current scope, got ", scope);
   std::shared_ptr<OffloadScope> target;
   if (scope >= 0) {
     target = OffloadScope::find(scope);

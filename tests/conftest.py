@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hsoffload
+import hsoffload  # noqa: F401  (loads the op library once for every test)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -29,4 +29,3 @@ def _no_scope_left_behind():
     from hsoffload.scope import current_scope
 
     assert current_scope() is None, "a test left an offload scope active on this thread"
-    assert hsoffload.pool_stats().in_use_bytes >= 0

@@ -101,6 +101,7 @@ def test_min_offload_size_skips_small(cpu_scope_kwargs):
 def _roundtrip(x: torch.Tensor, cpu_scope_kwargs: dict) -> tuple[torch.Tensor, hsoffload.OffloadStats]:
     """Save x for backward (marked) and return what backward's unpack produced."""
     got: list[torch.Tensor] = []
+    alignment: list[int] = []
 
     class Probe(torch.autograd.Function):
         @staticmethod
@@ -111,6 +112,7 @@ def _roundtrip(x: torch.Tensor, cpu_scope_kwargs: dict) -> tuple[torch.Tensor, h
         @staticmethod
         def backward(ctx, grad):
             (t,) = ctx.saved_tensors
+            alignment.append(t.data_ptr() % 64)
             got.append(t.detach().clone())
             # Also compare layout: strides are part of what is restored.
             got.append(torch.tensor(list(t.stride())))
@@ -120,6 +122,8 @@ def _roundtrip(x: torch.Tensor, cpu_scope_kwargs: dict) -> tuple[torch.Tensor, h
     with OffloadScope(**cpu_scope_kwargs) as scope:
         out = Probe.apply(mark(x), dummy)
         out.sum().backward()
+    # The restored data pointer keeps the original's alignment (CPU storages are 64-byte aligned).
+    assert x.numel() == 0 or alignment[0] == x.data_ptr() % 64
     return got[0], got[1], scope.stats
 
 
@@ -385,6 +389,8 @@ def test_bad_handle_and_scope_messages():
         torch.ops.hsoffload.offload_unpack(torch.zeros(3))
     with pytest.raises(ValueError, match="offload_pack: no live offload scope has id 987654"):
         torch.ops.hsoffload.offload_pack(torch.zeros(3), 987654)
+    with pytest.raises(ValueError, match="offload_pack: scope must be an OffloadScope id"):
+        torch.ops.hsoffload.offload_pack(torch.zeros(3), -5)
 
 
 def test_handles_work_after_the_scope_object_is_gone(cpu_scope_kwargs):
@@ -394,11 +400,40 @@ def test_handles_work_after_the_scope_object_is_gone(cpu_scope_kwargs):
     off = copy.deepcopy(ref)
     x = torch.randn(2, 4, 32)
     ref(x).backward()
-    with OffloadScope(**cpu_scope_kwargs):
+    with OffloadScope(**cpu_scope_kwargs):  # no name kept: the Python scope object dies at exit
         loss = off(x)
     gc.collect()
+    before = hsoffload.cumulative_stats()
     loss.backward()
+    after = hsoffload.cumulative_stats()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), off.parameters()))
+    # Restores still go through the scope's own machinery: prefetch keeps working.
+    assert after.restored_tensors - before.restored_tensors == 3
+    assert after.prefetch_hits - before.prefetch_hits == 2
+
+
+def test_entering_an_active_scope_again_is_refused(cpu_scope_kwargs):
+    scope = OffloadScope(**cpu_scope_kwargs)
+    with scope:
+        with pytest.raises(RuntimeError, match="already active"):
+            scope.__enter__()
+        assert scope.active
+    with scope:  # sequential reuse is fine
+        pass
+
+
+def test_prefetch_stays_within_one_scope_entry(cpu_scope_kwargs):
+    """Backward of graph B must not pull graph A's tensors back ahead of time."""
+    model = Stack()
+    scope = OffloadScope(**cpu_scope_kwargs)
+    with scope:
+        loss_a = model(torch.randn(2, 4, 32))
+    with scope:
+        loss_b = model(torch.randn(2, 4, 32))
+    loss_b.backward()
+    assert scope.stats.prefetch_hits == 2
+    loss_a.backward()
+    assert scope.stats.prefetch_hits == 4 and scope.stats.restored_tensors == 6
 
 
 def test_never_unpacked_branch_does_not_leak(cpu_scope_kwargs):

@@ -53,6 +53,7 @@ class HostBlock {
   at::Tensor view(int64_t bytes) const;
   // Size of the whole buffer in bytes (>= the requested size).
   int64_t capacity() const { return buffer_.numel(); }
+  bool pinned() const { return pinned_; }
   bool valid() const { return buffer_.defined(); }
   // Records that device work enqueued so far on `stream` reads or writes this
   // buffer; the pool will not lend it again before that work completes.

@@ -93,7 +93,10 @@ class SavedHandle {
   // keep the tensor's shared version counter (not the tensor) to check it.
   std::optional<c10::VariableVersion> version_counter_;
   uint32_t version_at_pack_ = 0;
-  std::weak_ptr<OffloadScope> scope_;
+  // Strong: the scope (records index, side streams, counters) must outlive the
+  // Python object that created it while a graph can still unpack. The scope
+  // never points back at handles, so this makes no cycle.
+  std::shared_ptr<OffloadScope> scope_;
 };
 
 // One offload scope: owns marks, the index of live records, the side streams
@@ -106,6 +109,7 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   OffloadScope& operator=(const OffloadScope&) = delete;
 
   // Makes this scope the current one on the calling thread (scopes nest).
+  // Raises if this scope is active already: nest a new scope instead.
   void enter();
   // Removes this scope from the calling thread's stack and drops its marks,
   // prefetches and index. Handles still referenced by an autograd graph keep
@@ -139,7 +143,7 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   std::shared_ptr<OffloadRecord> find_record_locked(const c10::StorageImpl* storage, int64_t begin, int64_t end);
   std::shared_ptr<OffloadRecord> offload_locked(const at::Tensor& x, int64_t begin, int64_t end);
   at::Tensor restore(const SavedHandle& handle);
-  void prefetch_before_locked(int64_t seq);
+  void prefetch_before_locked(int64_t seq, int64_t epoch);
   void start_restore_locked(OffloadRecord& record);
   c10::Stream side_stream_locked(c10::Device device, int which);
 
@@ -162,6 +166,9 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // matches.
   std::unordered_multimap<const c10::StorageImpl*, std::weak_ptr<OffloadRecord>> by_storage_;
   int64_t next_seq_ = 0;
+  // Incremented by enter(): prefetch stays within the records of one entry, so
+  // one graph's backward does not pull another graph's tensors onto the device.
+  int64_t epoch_ = 0;
   // Expired marks/records are pruned when the lists reach this size (amortised O(1)).
   size_t prune_at_ = 64;
   // Side streams per device index: [0] device->host, [1] host->device.
