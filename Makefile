@@ -53,7 +53,7 @@ $(VENV214)/.deps-stamp: requirements/dev.txt
 	touch $@
 
 test-torch214: $(VENV214)/.deps-stamp
-	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps .
+	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps -C build-dir=build/torch214 .
 	$(VENV214)/bin/python -m pytest -q tests/test_core.py tests/test_torchscript_compile.py tests/test_loader.py \
 		tests/test_transformers_models.py tests/test_patch.py tests/test_fsdp.py tests/test_axolotl.py
 
