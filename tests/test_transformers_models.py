@@ -176,3 +176,44 @@ def test_no_scope_no_marks_and_eval_untouched() -> None:
     model.train()
     assert scope.stats.marked_tensors == 0
     assert hsoffload.cumulative_stats().marked_tensors == before.marked_tensors
+
+
+@pytest.mark.parametrize("impl", ["no_reentrant", "reentrant"])
+def test_fsdp_checkpoint_wrapper_layers_are_offloaded(impl: str, caplog: pytest.LogCaptureFixture) -> None:
+    """FSDP-style activation checkpointing (torch's CheckpointWrapper around each decoder layer) checkpoints
+    from outside the layer's __call__; its inputs are still marked and offloaded, with no false warning."""
+    import functools
+    import logging
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    checkpoint_impl = CheckpointImpl.NO_REENTRANT if impl == "no_reentrant" else CheckpointImpl.REENTRANT
+
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=checkpoint_impl),
+            check_fn=lambda m: isinstance(m, GradientCheckpointingLayer),
+        )
+        return model
+
+    model = H.tiny_model("llama")
+    model.enable_input_require_grads()  # reentrant checkpoints save inputs only when one requires grad
+    reference = wrap(H.twin(model))
+    model = wrap(model)
+    data = H.batches(3)
+
+    def forward(m: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return m(**batch, use_cache=False).loss  # the wrapper, unlike transformers, does not turn the cache off
+
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        offloaded = H.train_steps(model, data, offload=True, forward=forward)
+    H.assert_bitwise_equal(H.train_steps(reference, data, offload=False, forward=forward), offloaded)
+    for s in offloaded[2]:
+        assert s.offloaded_tensors == H.LAYERS and s.restored_tensors == H.LAYERS, s
+    assert not [r for r in caplog.records if "gradient checkpointing" in r.getMessage()]

@@ -5,6 +5,10 @@ enabled, the layer's `hidden_states` input is marked with `torch.ops.hsoffload.m
 and passed on *positionally*: transformers binds keyword arguments into a `functools.partial`, so
 only positional tensors reach the checkpoint's saved tensors (and so the offload hooks).
 
+torch.distributed's `CheckpointWrapper` (FSDP activation checkpointing) checkpoints a decoder layer
+from outside its `__call__`; its `forward` is patched the same way when it wraps a
+GradientCheckpointingLayer.
+
 Chaining: `patch()` wraps whatever `__call__` is installed when it runs (stock transformers,
 Axolotl's or DeepSpeed's marker) and calls it; it never copies the stock body (which uses a
 zero-argument `super()`). A patch installed over ours later is expected to chain through ours, as
@@ -44,6 +48,12 @@ class _PatchState:
 
 
 _state = _PatchState()
+
+# torch.distributed's CheckpointWrapper (FSDP `activation_checkpointing`, `apply_activation_checkpointing`)
+# checkpoints a decoder layer from outside its __call__: the layer's inputs are saved before our
+# layer patch runs, so the wrapper's forward is patched too. Module state, like the patch itself.
+_wrapper_previous: Any = _MISSING  # CheckpointWrapper.forward before patch(); restored by unpatch()
+_WRAPPED_ATTR = "_hsoffload_in_checkpoint_wrapper"  # set on layers a CheckpointWrapper checkpoints
 
 
 def _log_once(key: str, level: int, msg: str, *args: Any) -> None:
@@ -106,6 +116,8 @@ def _uses_reentrant(layer: torch.nn.Module) -> bool:
 def _report_inactive(layer: torch.nn.Module) -> bool:
     """Log (once per cause) and return True when this call cannot offload the layer's input."""
     name = type(layer).__name__
+    if getattr(layer, _WRAPPED_ATTR, False):
+        return True  # checkpointed (and marked) by the enclosing CheckpointWrapper
     if not getattr(layer, "gradient_checkpointing", False):
         _log_once(
             f"nockpt:{name}",
@@ -190,6 +202,55 @@ def _forget_if_removed(cls: type) -> None:
         _state.installed, _state.previous, _state.active = None, _MISSING, False
 
 
+def _checkpoint_wrapper_class() -> Optional[type]:
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:  # torch built without distributed
+        return None
+    return CheckpointWrapper
+
+
+def _make_checkpoint_wrapper_forward(previous: Callable[..., Any]) -> Callable[..., Any]:
+    layer_cls = _layer_class()
+
+    @functools.wraps(previous)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        layer = getattr(self, "_checkpoint_wrapped_module", None)
+        if (
+            not _state.active
+            or current_scope() is None
+            or not isinstance(layer, layer_cls)
+            or not self.training
+            or not torch.is_grad_enabled()
+        ):
+            return previous(self, *args, **kwargs)
+        setattr(layer, _WRAPPED_ATTR, True)
+        args = _pass_hidden_states_marked(layer, args, kwargs)  # may move kwargs["hidden_states"] into args
+        return previous(self, *args, **kwargs)
+
+    setattr(forward, _PATCH_ATTR, True)
+    return forward
+
+
+def _patch_checkpoint_wrapper() -> None:
+    global _wrapper_previous
+    wrapper_cls = _checkpoint_wrapper_class()
+    if wrapper_cls is None or getattr(wrapper_cls.__dict__.get("forward"), _PATCH_ATTR, False):
+        return
+    _wrapper_previous = wrapper_cls.__dict__["forward"]
+    wrapper_cls.forward = _make_checkpoint_wrapper_forward(_wrapper_previous)
+
+
+def _unpatch_checkpoint_wrapper() -> None:
+    global _wrapper_previous
+    wrapper_cls = _checkpoint_wrapper_class()
+    if wrapper_cls is None or _wrapper_previous is _MISSING:
+        return
+    if getattr(wrapper_cls.__dict__.get("forward"), _PATCH_ATTR, False):
+        wrapper_cls.forward = _wrapper_previous
+        _wrapper_previous = _MISSING
+
+
 def patch() -> None:
     """Install the marking `__call__` on GradientCheckpointingLayer (idempotent).
 
@@ -200,6 +261,7 @@ def patch() -> None:
     cls = _layer_class()
     with _lock:
         _forget_if_removed(cls)
+        _patch_checkpoint_wrapper()
         if _state.installed is not None:
             _state.active = True
             return
@@ -219,6 +281,7 @@ def unpatch() -> bool:
     cls = _layer_class()
     with _lock:
         _forget_if_removed(cls)
+        _unpatch_checkpoint_wrapper()
         if _state.installed is None:
             return False
         if cls.__dict__.get("__call__") is _state.installed:
@@ -283,7 +346,13 @@ def check_model(model: torch.nn.Module) -> int:
             "super().__call__(hidden_states, ...), otherwise it bypasses the GradientCheckpointingLayer patch.",
             ", ".join(overriding),
         )
-    checkpointed = [m for m in layers if getattr(m, "gradient_checkpointing", False)]
+    wrapper_cls = _checkpoint_wrapper_class()
+    wrapped = (
+        {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, wrapper_cls)}
+        if wrapper_cls is not None
+        else set()
+    )
+    checkpointed = [m for m in layers if getattr(m, "gradient_checkpointing", False) or id(m) in wrapped]
     if not checkpointed:
         _log_once(
             f"nockptmodel:{type(model).__name__}",
