@@ -280,3 +280,18 @@ def test_plugin_warns_without_checkpointing(tmp_path: Path, caplog: pytest.LogCa
     with caplog.at_level(logging.WARNING, logger="hsoffload"):
         HsOffloadPlugin().post_trainer_create(Cfg(activation_offloading="hidden_states"), _trainer(tmp_path))
     assert "needs gradient_checkpointing: true" in caplog.text
+
+
+def test_plugin_installs_fsdp_loading_patch_for_ram_efficient_loading() -> None:
+    from hsoffload import fsdp
+    from hsoffload.axolotl_plugin import HsOffloadPlugin
+
+    assert not fsdp.is_patched()
+    HsOffloadPlugin().pre_model_load(Cfg(fsdp_config={"cpu_ram_efficient_loading": False}))
+    assert not fsdp.is_patched()
+    try:
+        HsOffloadPlugin().pre_model_load(Cfg(fsdp_version=2, fsdp_config={"cpu_ram_efficient_loading": True}))
+        assert fsdp.is_patched()
+    finally:
+        fsdp.unpatch()
+    assert not fsdp.is_patched()

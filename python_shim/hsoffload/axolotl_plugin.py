@@ -80,6 +80,13 @@ def is_enabled(cfg: Any) -> bool:
     return _cfg_get(cfg, "activation_offloading") == HIDDEN_STATES_MODE
 
 
+def wants_ram_efficient_loading(cfg: Any) -> bool:
+    """True for FSDP configs with `cpu_ram_efficient_loading` (Axolotl's `fsdp_config`, either key spelling)."""
+    fsdp_config = _cfg_get(cfg, "fsdp_config") or {}
+    getter = fsdp_config.get if isinstance(fsdp_config, dict) else (lambda key: getattr(fsdp_config, key, None))
+    return bool(getter("cpu_ram_efficient_loading") or getter("fsdp_cpu_ram_efficient_loading"))
+
+
 def offload_config(cfg: Any) -> OffloadConfig:
     """The `OffloadConfig` for an Axolotl config (`hsoffload_*` keys; defaults where unset)."""
     values = {
@@ -119,6 +126,11 @@ class HsOffloadPlugin(BasePlugin):
     def pre_model_load(self, cfg: Any) -> None:
         if is_enabled(cfg):
             patch()
+        if wants_ram_efficient_loading(cfg):
+            from . import fsdp
+
+            fsdp.patch()
+            logger.info("hsoffload: FSDP cpu_ram_efficient_loading: non-rank-0 weight init is skipped (hsoffload.fsdp)")
 
     def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
         if not is_enabled(cfg):
