@@ -15,6 +15,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import hf_tiny as H
 import hsoffload
+from hsoffload._logging import forget_logged
 
 hpatch = importlib.import_module("hsoffload.patch")  # the package attribute `patch` is the function
 
@@ -27,7 +28,7 @@ def pristine() -> Iterator[Any]:
     hsoffload.unpatch()
     original = GradientCheckpointingLayer.__dict__["__call__"]
     assert not getattr(original, "_hsoffload_patched", False)
-    hpatch._logged.clear()
+    forget_logged()
     yield original
     GradientCheckpointingLayer.__call__ = original
     hpatch._state.installed, hpatch._state.previous, hpatch._state.active = None, hpatch._MISSING, False

@@ -39,6 +39,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._logging import log_once as _log_once
+
 logger = logging.getLogger("hsoffload")
 
 __all__ = [
@@ -60,13 +62,8 @@ _TRUE = {"1", "y", "yes", "t", "true", "on"}
 _FALSE = {"0", "n", "no", "f", "false", "off", ""}
 
 _lock = threading.Lock()  # serialises patch()/unpatch()
-_logged: set[str] = set()
 
 
-def _log_once(key: str, level: int, msg: str, *args: Any) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.log(level, msg, *args)
 
 
 # --------------------------------------------------------------------------- rank facts
@@ -352,7 +349,12 @@ class _LazyPlaceholders(TorchFunctionMode):
                 and not extra
                 and len(args) == 1
             ):
-                like = src if kwargs.get("dtype") in (None, src.dtype) else src.to(kwargs["dtype"])
+                # Another dtype: describe the result on the meta device (never a full-size copy of src).
+                like = (
+                    src
+                    if kwargs.get("dtype") in (None, src.dtype)
+                    else torch.empty_like(src, device="meta", dtype=kwargs["dtype"])
+                )
                 out = torch.classes.hsoffload.InitSkipRecord.lazy_zeros_like(like)
                 self.count += 1
                 self.nbytes += out.numel() * out.element_size()

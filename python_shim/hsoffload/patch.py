@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._logging import log_once as _log_once
 from .scope import OffloadConfig, OffloadScope, current_scope
 
 logger = logging.getLogger("hsoffload")
@@ -35,7 +36,6 @@ logger = logging.getLogger("hsoffload")
 _PATCH_ATTR = "_hsoffload_patched"
 _MISSING = object()  # "the class had no __call__ of its own"
 _lock = threading.Lock()  # serialises patch()/unpatch()
-_logged: set[str] = set()  # keys of "log once" messages
 
 
 @dataclasses.dataclass
@@ -56,10 +56,6 @@ _wrapper_previous: Any = _MISSING  # CheckpointWrapper.forward before patch(); r
 _WRAPPED_ATTR = "_hsoffload_in_checkpoint_wrapper"  # set on layers a CheckpointWrapper checkpoints
 
 
-def _log_once(key: str, level: int, msg: str, *args: Any) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.log(level, msg, *args)
 
 
 def _layer_class() -> type:
