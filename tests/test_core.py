@@ -472,3 +472,19 @@ def test_thousand_steps_flat(cpu_scope_kwargs):
     assert set(tracked) == {0}
     assert scope_ref() is None  # scopes are not kept alive by the engine
     assert hsoffload.pool_stats().in_use_bytes == 0
+
+
+def test_max_pool_bytes_applies_when_entered(cpu_scope_kwargs):
+    limits = torch.classes.hsoffload.OffloadScope
+    original = limits.pool_limit()
+    try:
+        scope = OffloadScope(max_pool_bytes=1 << 20, **cpu_scope_kwargs)
+        assert limits.pool_limit() == original  # building a scope changes nothing process-wide
+        with scope:
+            assert limits.pool_limit() == 1 << 20
+            x = torch.randn(1 << 19, requires_grad=True)  # 2 MiB: over the bound, served unpooled
+            (mark(x * 1) * x).sum().backward()
+        assert hsoffload.pool_stats().held_bytes <= 1 << 20
+        assert scope.stats.offloaded_tensors == 1
+    finally:
+        limits.set_pool_limit(original)

@@ -55,6 +55,11 @@ class OffloadStats:
 
     @classmethod
     def from_list(cls, values: list[int]) -> "OffloadStats":
+        if len(values) != len(_STAT_FIELDS):
+            raise RuntimeError(
+                f"hsoffload: the op library reports {len(values)} counters, this Python package expects "
+                f"{len(_STAT_FIELDS)}; the library and the package come from different versions: rebuild"
+            )
         return cls(**dict(zip(_STAT_FIELDS, values)))
 
 
@@ -80,7 +85,7 @@ class OffloadConfig:
     pin_memory: bool = True
     use_streams: bool = True
     prefetch_depth: int = 1
-    max_pool_bytes: Optional[int] = None
+    max_pool_bytes: Optional[int] = None  # process-wide host pool bound, applied when the scope is entered
 
     def __post_init__(self) -> None:
         for name in ("min_offload_size", "prefetch_depth"):
@@ -108,14 +113,9 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, config: Optional[OffloadConfig] = None, **kwargs: Any) -> None:
-        from . import _ensure_loaded
-
-        _ensure_loaded()
         if config is not None and kwargs:
             raise TypeError("hsoffload: pass either config= or keyword options, not both")
         self.config = config if config is not None else OffloadConfig(**kwargs)
-        if self.config.max_pool_bytes is not None:
-            torch.classes.hsoffload.OffloadScope.set_pool_limit(self.config.max_pool_bytes)
         c = self.config
         self._scope = torch.classes.hsoffload.OffloadScope(
             c.min_offload_size, c.offload_cpu_tensors, c.pin_memory, c.use_streams, c.prefetch_depth
@@ -133,6 +133,9 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack_hook, unpack_op)
 
     def __enter__(self) -> "OffloadScope":
+        if self.config.max_pool_bytes is not None:
+            # The host pool is process-wide: the bound applies from this entry on, to every scope.
+            torch.classes.hsoffload.OffloadScope.set_pool_limit(self.config.max_pool_bytes)
         self._scope.enter()
         try:
             super().__enter__()
@@ -221,23 +224,14 @@ def mark_hidden_state(x: torch.Tensor) -> torch.Tensor:
 
 def cumulative_stats() -> OffloadStats:
     """Counters summed over every scope in this process."""
-    from . import _ensure_loaded
-
-    _ensure_loaded()
     return OffloadStats.from_list(torch.classes.hsoffload.OffloadScope.process_stats())
 
 
 def pool_stats() -> PoolStats:
     """What the process-wide host pool holds now."""
-    from . import _ensure_loaded
-
-    _ensure_loaded()
     return PoolStats(**dict(zip(_POOL_FIELDS, torch.classes.hsoffload.OffloadScope.pool_stats())))
 
 
 def empty_pool() -> None:
     """Free every idle host buffer of the pool."""
-    from . import _ensure_loaded
-
-    _ensure_loaded()
     torch.classes.hsoffload.OffloadScope.empty_pool()
