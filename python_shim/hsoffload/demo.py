@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from .bench import common
-from .bench.common import LlamaShape, SavedBytesTimeline
+from .bench.common import LlamaShape, SavedBytesTimeline, pyplot
 
 logger = logging.getLogger("hsoffload")
 
@@ -175,13 +175,8 @@ def run_demo(
 
 
 def write_plot(result: DemoResult, path: str) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("hsoffload demo: matplotlib is not installed; no plot written (pip install matplotlib)")
+    plt = pyplot("demo")
+    if plt is None:
         return None
     mib = float(1 << 20)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)

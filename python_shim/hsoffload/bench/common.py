@@ -441,3 +441,18 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)
         f.write("\n")
+
+
+def pyplot(who: str) -> Any:
+    """matplotlib.pyplot on the headless Agg backend, or None (logged) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logging.getLogger("hsoffload").warning(
+            "hsoffload %s: matplotlib is not installed; no plot written (pip install matplotlib)", who
+        )
+        return None
+    return plt

@@ -426,13 +426,8 @@ def report(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: str) -> Optional[str]:
     """Two panels: per-call cost (hsoffload vs Python) and CPU step time per method."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("hsoffload bench: matplotlib is not installed; no plot written")
+    plt = common.pyplot("bench")
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
     calls = result.get("hook_calls", [])

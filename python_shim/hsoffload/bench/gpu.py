@@ -592,13 +592,8 @@ def report(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: str) -> Optional[str]:
     """Step time and peak allocated memory per method and length, and the longest fitting length."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("hsoffload bench: matplotlib is not installed; no plot written")
+    plt = common.pyplot("bench")
+    if plt is None:
         return None
     runs = [r for r in result.get("runs", []) if r.get("status") == "ok"]
     methods = sorted({r["method"] for r in runs}, key=lambda n: (n != "checkpointing", n != "hsoffload", n))
