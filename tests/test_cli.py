@@ -12,13 +12,17 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+import hsoffload
+
 
 
 def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
-    # The package from this checkout (an installed copy would also do; the source tree wins).
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python_shim"), env.get("PYTHONPATH")) if p)
+    # Exactly the package (and op library) this test process imported: installed by `make test`, or the
+    # source tree with a local build.
+    package_root = str(Path(hsoffload.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env["HSOFFLOAD_LIBRARY"] = str(hsoffload.load_library())
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also on a GPU machine
     return subprocess.run(
         [sys.executable, "-m", "hsoffload", *args],
