@@ -35,14 +35,7 @@ at::Tensor HostBlock::view(int64_t bytes) const {
   return buffer_.narrow(0, 0, bytes);
 }
 
-void HostBlock::record_use(const c10::Stream& stream) {
-  if (stream.device_type() == c10::DeviceType::CPU) {
-    return;  // CPU copies are synchronous: nothing is pending when they return.
-  }
-  auto event = std::make_shared<c10::Event>(stream.device_type());
-  event->record(stream);
-  last_use_ = std::move(event);
-}
+void HostBlock::record_use(std::shared_ptr<c10::Event> event) { last_use_ = std::move(event); }
 
 void HostBlock::release() {
   if (!buffer_.defined()) {

@@ -26,8 +26,6 @@ struct OffloadRecord {
   int64_t begin = 0;  // byte offsets of the span in the source storage
   int64_t end = 0;
   HostBlock host;
-  std::optional<c10::Stream> d2h_stream;
-  std::optional<c10::Stream> h2d_stream;
   std::shared_ptr<c10::Event> d2h_done;  // null when the copy was synchronous
   // Restore state, guarded by `mutex`.
   at::Tensor prefetched;  // device bytes of a restore started ahead of its unpack
@@ -353,7 +351,6 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
       c10::Event produced(x.device().type());
       produced.record(compute);
       produced.block(copy_stream);  // the copy reads x only after the compute stream wrote it
-      record->d2h_stream = copy_stream;
     }
     {
       c10::StreamGuard guard(copy_stream);
@@ -367,7 +364,7 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
     }
     record->d2h_done = std::make_shared<c10::Event>(x.device().type());
     record->d2h_done->record(copy_stream);
-    record->host.record_use(copy_stream);
+    record->host.record_use(record->d2h_done);
   }
   maybe_prune_locked();
   records_.push_back(record);
@@ -409,9 +406,9 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
   if (copy_stream != compute) {
     impl.recordDataPtrOnStream(dev.storage().data_ptr(), copy_stream);
   }
-  record.host.record_use(copy_stream);
   record.h2d_done = std::make_shared<c10::Event>(record.device.type());
   record.h2d_done->record(copy_stream);
+  record.host.record_use(record.h2d_done);
   record.prefetched = dev;
 }
 

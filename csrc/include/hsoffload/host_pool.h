@@ -55,9 +55,10 @@ class HostBlock {
   int64_t capacity() const { return buffer_.numel(); }
   bool pinned() const { return pinned_; }
   bool valid() const { return buffer_.defined(); }
-  // Records that device work enqueued so far on `stream` reads or writes this
-  // buffer; the pool will not lend it again before that work completes.
-  void record_use(const c10::Stream& stream);
+  // Records that device work ending at `event` (already recorded on its
+  // stream) reads or writes this buffer; the pool will not lend it again
+  // before the event completes. Shared so the caller can wait on it too.
+  void record_use(std::shared_ptr<c10::Event> event);
 
  private:
   friend class HostPool;
