@@ -142,9 +142,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         except BaseException:
             self._scope.exit()
             raise
-        if not hasattr(_tls, "stack"):
-            _tls.stack = []
-        _tls.stack.append(self)
+        _tls.__dict__.setdefault("stack", []).append(self)
         return self
 
     def __exit__(
@@ -158,10 +156,8 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         finally:
             self._scope.exit()
             stack = getattr(_tls, "stack", [])
-            if self in stack:
-                stack.reverse()
+            if self in stack:  # at most once: entering an active scope again is refused
                 stack.remove(self)
-                stack.reverse()
         if exc_type is None:
             self._report_if_ineffective()
 
