@@ -1,0 +1,112 @@
+// hsemu runtime: the asynchronous parts of the emulated accelerator used by the
+// test suite (streams as worker threads, events, a stream-aware device
+// allocator that poisons freed memory, a pinned host allocator).
+//
+// Test-only code: never linked into libhsoffload.so. It knows nothing of the
+// dispatcher; emu_backend.cpp binds it to PrivateUse1.
+//
+// Semantics (what a CUDA-like device promises, and what the tests rely on):
+// - A stream runs its queued jobs in order on its own thread. Work queued on
+//   different streams is unordered unless an event orders it.
+// - A freed device block is reusable at once by later allocations on the stream
+//   that allocated it (their work is ordered after the free), and by nobody
+//   else; if other streams were recorded as users (`record_stream`), it is
+//   reusable only after the work those streams had queued at the free has run.
+// - Freed device blocks are filled with kPoison by a job on their allocation
+//   stream, and fresh blocks (device and pinned) start as kPoison: reading
+//   memory nobody wrote shows up as NaN / -1, not as luck. Blocks are reused
+//   most-recently-freed first.
+// - A pinned host block freed while a queued copy still uses it is kept until
+//   that copy has run (as torch's caching host allocator does for CUDA).
+//
+// Thread-safety: every function here may be called from any thread.
+#pragma once
+
+#include <c10/core/Allocator.h>
+#include <c10/core/Stream.h>
+
+#include <cstdint>
+#include <functional>
+
+namespace hsemu {
+
+constexpr unsigned char kPoison = 0xFF;  // NaN in every float dtype, -1 in signed ints
+
+// ---- streams ---------------------------------------------------------------
+
+// Stream ids: 0 is the default stream; ids 1..kPoolStreams are handed out
+// round-robin as pool streams; getNewStream ids start at kFirstNewStream.
+constexpr c10::StreamId kPoolStreams = 4;
+constexpr c10::StreamId kFirstNewStream = 64;
+
+// Queues `job` on stream `id`; returns its ticket (the stream's count of
+// queued jobs after this one). A job must not take the allocator locks.
+uint64_t enqueue(c10::StreamId id, std::function<void()> job);
+// Number of jobs queued on `id` so far (the ticket an event records).
+uint64_t enqueued(c10::StreamId id);
+// True once every job up to `ticket` on `id` has run.
+bool done(c10::StreamId id, uint64_t ticket);
+// Blocks the calling thread until every job up to `ticket` on `id` has run.
+void wait(c10::StreamId id, uint64_t ticket);
+// Blocks until every job queued on `id` so far has run.
+void drain(c10::StreamId id);
+// Blocks until every stream is idle.
+void drain_all();
+
+// The calling thread's current stream (per thread, like CUDA's).
+c10::StreamId current_stream();
+void set_current_stream(c10::StreamId id);
+c10::StreamId next_pool_stream();
+c10::StreamId new_stream();
+
+// ---- events ------------------------------------------------------------------
+
+struct Event {
+  c10::StreamId stream = -1;  // -1: never recorded
+  uint64_t ticket = 0;
+};
+
+// ---- copy delays (widen race windows) -----------------------------------------
+
+enum class CopyKind { kHostToDevice = 0, kDeviceToHost = 1, kDeviceToDevice = 2 };
+// Microseconds every queued copy of that kind sleeps before it runs.
+// Initialised from HSOFFLOAD_EMU_COPY_DELAY_US (all kinds).
+int64_t copy_delay_us(CopyKind kind);
+void set_copy_delay_us(CopyKind kind, int64_t us);
+
+// ---- allocators ----------------------------------------------------------------
+
+// The device allocator (what at::empty on the emulated device uses).
+c10::Allocator* device_allocator();
+// Tells the device allocator that stream `id` uses the block starting at `ptr`
+// (the base pointer of a storage). Raises for a pointer it did not hand out.
+void record_stream(const void* ptr, c10::StreamId id);
+
+// The pinned host allocator (pin_memory() / pinned_memory=True for this device).
+c10::Allocator* pinned_allocator();
+// True if `ptr` lies inside a live pinned block.
+bool is_pinned(const void* ptr);
+// Records that the job with `ticket` on stream `id` uses the pinned block
+// containing `ptr`; the block is not reused before that job has run. No-op for
+// pointers that are not pinned.
+void record_pinned_use(const void* ptr, c10::StreamId id, uint64_t ticket);
+// Frees idle pinned blocks whose uses have completed.
+void empty_pinned_cache();
+
+// ---- counters -------------------------------------------------------------------
+
+struct Counters {
+  int64_t async_copies = 0;         // copies that returned before running
+  int64_t sync_copies = 0;          // copies the caller waited for
+  int64_t cross_stream_waits = 0;   // event waits queued on another stream
+  int64_t device_allocs = 0;        // device blocks handed out
+  int64_t device_reuses = 0;        // ... of which were reused freed blocks
+  int64_t deferred_frees = 0;       // device frees held back by record_stream uses
+  int64_t pinned_deferred_frees = 0;  // pinned frees held back by pending copies
+  int64_t host_syncs = 0;           // stream, event or device synchronisations (the host waited)
+  int64_t job_errors = 0;           // jobs that threw (reported on stderr)
+};
+Counters counters();
+void count(int64_t Counters::*field, int64_t n = 1);
+
+}  // namespace hsemu
