@@ -9,7 +9,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 COMPILE_CHECK_TORCH ?= 2.11.0 2.14.1
 
-.PHONY: all venv build install test test-cpp compile-check test-torch214 demo bench gpu-check clean
+.PHONY: all venv build install test test-cpp compile-check test-torch214 mutation-check demo bench gpu-check clean
 
 all: test
 
@@ -38,6 +38,11 @@ test: install
 compile-check: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/compile_check.sh $(PY) $(COMPILE_CHECK_TORCH)
 
+# Proof that the emulated-device tests (tests/emu) catch every missing stream/event rule: deletes each rule's
+# line in a scratch copy of csrc/, rebuilds, reruns tests/emu (about 20 s a mutation; not part of CI).
+mutation-check: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) scripts/mutation_check.py
+
 # C++ engine unit tests (ctest); also run by tests/test_cpp_engine.py.
 test-cpp: $(STAMP)
 	cmake -S . -B build/cpp -G Ninja -DHSOFFLOAD_BUILD_TESTS=ON -DHSOFFLOAD_PYTHON=$(abspath $(PY))
@@ -54,8 +59,9 @@ $(VENV214)/.deps-stamp: requirements/dev.txt
 
 test-torch214: $(VENV214)/.deps-stamp
 	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps -C build-dir=build/torch214 .
-	$(VENV214)/bin/python -m pytest -q tests/test_core.py tests/test_torchscript_compile.py tests/test_loader.py \
-		tests/test_transformers_models.py tests/test_patch.py tests/test_fsdp.py tests/test_axolotl.py
+	PATH="$(abspath $(VENV214))/bin:$$PATH" $(VENV214)/bin/python -m pytest -q tests/test_core.py \
+		tests/test_torchscript_compile.py tests/test_loader.py tests/test_transformers_models.py tests/test_patch.py \
+		tests/test_fsdp.py tests/test_axolotl.py tests/test_emu_device.py
 
 demo: install
 	$(VENV)/bin/hsoffload demo

@@ -51,8 +51,13 @@ SkipDecision InitSkipRecord::decision() const {
   return decision_;
 }
 
+bool InitSkipRecord::can_flag(const at::Tensor& t) {
+  // Meta tensors count (their storage is recognisable); nested and sparse ones do not.
+  return t.defined() && t.layout() == c10::kStrided && !t.is_nested() && t.has_storage();
+}
+
 bool InitSkipRecord::flag(const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage()) return false;
+  if (!can_flag(t)) return false;
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.flagged_tensors;
@@ -72,7 +77,7 @@ bool InitSkipRecord::flag(const at::Tensor& t) {
 }
 
 bool InitSkipRecord::is_flagged(const at::Tensor& t) const {
-  if (!t.defined() || !t.has_storage()) return false;
+  if (!can_flag(t)) return false;
   const c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
   auto it = flagged_.find(impl);

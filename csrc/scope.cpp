@@ -1,5 +1,7 @@
 #include "hsoffload/scope.h"
 
+#include "hsoffload/tensor_kind.h"
+
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
@@ -188,9 +190,8 @@ std::shared_ptr<OffloadScope> OffloadScope::current() {
 
 void OffloadScope::mark(const at::Tensor& x) {
   TORCH_INTERNAL_ASSERT(x.defined());  // checked by the op adapter
-  if (!x.has_storage() || x.is_meta()) {
-    return;  // fake/meta tensors while tracing, sparse or nested tensors: nothing to offload
-  }
+  // Any tensor may be marked; pack decides whether its bytes can move (has_plain_storage) and counts the ones it
+  // keeps in place, so a mark that cannot take effect is visible in the counters.
   std::lock_guard<std::mutex> lock(*mutex_);
   if (!active_) {
     return;
@@ -280,9 +281,12 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
     // Parameters are refused at mark time by the Python shim (only it can tell
     // an nn.Parameter from any leaf that requires grad, such as an embedding
     // output under enable_input_require_grads()).
-    const bool device_ok = x.has_storage() && !x.is_meta() && (!x.is_cpu() || config_.offload_cpu_tensors);
+    const bool device_ok = has_plain_storage(x) && (!x.is_cpu() || config_.offload_cpu_tensors) && x.numel() > 0;
     auto span = device_ok ? storage_span(x) : std::make_pair<int64_t, int64_t>(0, 0);
-    if (device_ok && x.numel() > 0 && span.second - span.first >= config_.min_offload_size) {
+    // The engine checks what it copies from: the span must lie inside the storage's bytes.
+    const bool span_ok = device_ok && span.first >= 0 &&
+                         span.second <= static_cast<int64_t>(x.storage().nbytes());
+    if (span_ok && span.second - span.first >= config_.min_offload_size) {
       // Start the copy at a 512-byte boundary of the storage: the restored
       // tensor then has the same data-pointer alignment as the original, so
       // kernels pick the same algorithms (bit-identical results).
@@ -301,6 +305,8 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
       handle->dtype_ = x.scalar_type();
       handle->sizes_ = x.sizes().vec();
       handle->strides_ = x.strides().vec();
+      handle->conj_ = x.is_conj();  // a bit of the tensor, not of its bytes
+      handle->neg_ = x.is_neg();
       handle->offset_in_span_ =
           (x.storage_offset() * static_cast<int64_t>(x.element_size()) - handle->record_->begin) /
           static_cast<int64_t>(x.element_size());
@@ -467,6 +473,8 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
   count(stats_, &OffloadStats::restored_tensors, 1);
   at::Tensor out = at::empty({0}, at::TensorOptions().dtype(handle.dtype_).device(record.device));
   out.set_(dev.storage(), handle.offset_in_span_, handle.sizes_, handle.strides_);
+  out._set_conj(handle.conj_);
+  out._set_neg(handle.neg_);
   return out;
 }
 

@@ -31,7 +31,7 @@ c10::List<bool> skip_init_non_rank0(const std::vector<at::Tensor>& tensors, int6
   for (const auto& t : tensors) {
     // A tensor that cannot be recorded (no storage) is not skipped: we could
     // not recognise writes into it.
-    bool skip = decision.skip && t.defined() && t.has_storage();
+    bool skip = decision.skip && InitSkipRecord::can_flag(t);
     if (skip && target != nullptr) skip = target->flag(t);
     out.push_back(skip);
   }

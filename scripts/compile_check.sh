@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Compiles the op library against the headers and libraries of other torch
-# releases (CPU or CUDA wheels; no CUDA toolkit needed), without installing them.
+# Compiles the op library and the emulated test device (tests/emu) against the
+# headers and libraries of other torch releases (CPU or CUDA wheels; no CUDA
+# toolkit needed), without installing them.
 # Usage: scripts/compile_check.sh [PYTHON] [TORCH_VERSION...]   (default: 2.11.0 2.14.1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,8 @@ with zipfile.ZipFile(wheel) as z:
 PYEOF
   fi
   echo "== compiling against torch $v"
-  cmake -S . -B "build/compile-$v" -G Ninja -DHSOFFLOAD_TORCH_ROOT="$PWD/$root/torch" -DHSOFFLOAD_PYTHON=/bin/false >/dev/null
+  cmake -S . -B "build/compile-$v" -G Ninja -DHSOFFLOAD_TORCH_ROOT="$PWD/$root/torch" -DHSOFFLOAD_PYTHON=/bin/false \
+    -DHSOFFLOAD_BUILD_EMU=ON >/dev/null
   cmake --build "build/compile-$v"
   cat "build/compile-$v/_build_info.json"
 done

@@ -97,3 +97,38 @@ def test_cli_parses(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     if argv[0] == "bench":
         assert args.seqs == [8192, 32768]
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["demo", "--seq", "1"], "--seq"),
+        (["demo", "--steps", "0"], "--steps"),
+        (["demo", "--batch", "0"], "--batch"),
+        (["demo", "--layers", "0"], "--layers"),
+        (["demo", "--threads", "-1"], "--threads"),
+        (["demo", "--device", "cuda:99"], "--device"),
+        (["demo", "--device", "no-such-device"], "--device"),
+        (["demo", "--plot", "/nonexistent/x.png"], "--plot"),
+        (["demo", "--json", "/nonexistent/x.json"], "--json"),
+        (["bench", "--steps", "0"], "--steps"),
+        (["bench", "--warmup", "-1"], "--warmup"),
+        (["bench", "--seqs", "1,8k"], "--seqs"),
+        (["bench", "--budget-gib", "0"], "--budget-gib"),
+        (["bench", "--json", "/nonexistent/b.json"], "--json"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_work(argv: list[str], names: str, capsys, tmp_path: Path) -> None:
+    from hsoffload import cli
+
+    os.chdir(tmp_path)  # a default --plot must not land in the checkout
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and names in err[0] and err[0].startswith(f"hsoffload {argv[0]}: error:"), err
+
+
+def test_plot_into_a_directory_is_refused(tmp_path: Path, capsys) -> None:
+    from hsoffload import cli
+
+    assert cli.main(["demo", "--plot", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err

@@ -174,7 +174,8 @@ def test_op_checks_and_record() -> None:
         torch.ops.hsoffload.skip_init_non_rank0([], 1, -2, True, True)
     # Without a record the op only decides; storage-less tensors are never skipped.
     sparse = torch.zeros(2).to_sparse()
-    assert torch.ops.hsoffload.skip_init_non_rank0([torch.ones(2), sparse], 1, 1, True, True) == [True, False]
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    assert torch.ops.hsoffload.skip_init_non_rank0([torch.ones(2), sparse, nested], 1, 1, True, True) == [True, False, False]
 
     rec = R()
     a, b = torch.randn(4, 4), torch.randn(8)

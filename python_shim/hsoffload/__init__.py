@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 
 from ._loader import load_library
+from ._logging import install_default_handler
 
 logger = logging.getLogger("hsoffload")
-logger.addHandler(logging.NullHandler())
+install_default_handler()  # warnings reach stderr even when the application configured no logging
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,10 @@ logger = logging.getLogger("hsoffload")
 _LIB_NAME = "libhsoffload.so"
 _PKG_DIR = Path(__file__).resolve().parent
 _REPO_DIR = _PKG_DIR.parent.parent
-REBUILD_COMMAND = "pip install --no-build-isolation --force-reinstall --no-deps .  (in the hsoffload checkout), or: make build"
+REBUILD_COMMAND = (
+    "pip install --no-build-isolation --force-reinstall --no-deps .  (in the hsoffload checkout, into the environment "
+    "that runs torch), or: make build  (builds into build/<wheel tag>/ and installs into .venv)"
+)
 
 _loaded_path: Path | None = None
 
@@ -24,8 +27,13 @@ def _candidates() -> list[Path]:
     env = os.environ.get("HSOFFLOAD_LIBRARY")
     if env:
         paths.append(Path(env))
-    paths.append(_PKG_DIR / _LIB_NAME)
-    paths.append(_REPO_DIR / "build" / _LIB_NAME)  # running from a source checkout
+    paths.append(_PKG_DIR / _LIB_NAME)  # installed (pip install / make build)
+    build = _REPO_DIR / "build"
+    paths.append(build / _LIB_NAME)
+    # A source checkout (PYTHONPATH=python_shim): where `make build` / pip put their build folder
+    # (build/<wheel tag>/, see pyproject.toml), newest first; one built for another torch is skipped below.
+    if build.is_dir():
+        paths.extend(sorted(build.glob(f"*/{_LIB_NAME}"), key=lambda p: p.stat().st_mtime, reverse=True))
     return paths
 
 
@@ -64,13 +72,17 @@ def load_library() -> Path:
     if _loaded_path is not None:
         return _loaded_path
     candidates = _candidates()
-    library = next((p for p in candidates if p.is_file()), None)
-    if library is None:
+    existing = [p for p in candidates if p.is_file()]
+    if not existing:
         raise ImportError(
             "hsoffload: the op library libhsoffload.so was not found (looked in: "
             + ", ".join(str(p) for p in candidates)
             + f"). Running {_running()}. Build it with: {REBUILD_COMMAND}"
         )
+    # An explicit HSOFFLOAD_LIBRARY or the installed library is taken as it is; build folders are searched for
+    # one that matches the running torch.
+    explicit = [p for p in existing if p == Path(os.environ.get("HSOFFLOAD_LIBRARY", "")) or p.parent == _PKG_DIR]
+    library = explicit[0] if explicit else next((p for p in existing if _same_build(build_info(p))), existing[0])
     info = build_info(library)
     if not _same_build(info):
         raise ImportError(

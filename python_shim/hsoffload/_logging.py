@@ -3,10 +3,40 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from typing import Any
 
 logger = logging.getLogger("hsoffload")
+
+
+class StderrUnlessConfigured(logging.Handler):
+    """Prints hsoffload's warnings to stderr while the application has configured no logging.
+
+    Python prints a library's warnings through its last-resort handler only when no handler exists anywhere on the
+    logger's path; a library that attaches a `NullHandler` (the usual advice) therefore silences them. This handler
+    takes the last resort's place for the `hsoffload` logger alone: it writes WARNING and above to stderr when
+    neither the root logger nor the `hsoffload` logger has another handler, and stays quiet once the application
+    configures logging (its handlers then receive the records by propagation, once).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers or any(h is not self for h in logger.handlers):
+            return
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001  (a logging handler must never raise into the caller)
+            self.handleError(record)
+
+
+def install_default_handler() -> None:
+    """Attaches `StderrUnlessConfigured` to the `hsoffload` logger once (idempotent)."""
+    if not any(isinstance(h, StderrUnlessConfigured) for h in logger.handlers):
+        logger.addHandler(StderrUnlessConfigured())
 
 _lock = threading.Lock()
 _logged: set[str] = set()  # keys of messages already logged: "once" means once per process, by intent

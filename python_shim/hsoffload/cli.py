@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 logger = logging.getLogger("hsoffload")
@@ -70,6 +72,78 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-seq", type=int, default=None, help="length of the profiled step used for copy bandwidth (default: 32k or the longest that ran)")
     g.add_argument("--time-limit", type=float, default=420.0, help="seconds after which the GPU suite stops starting new measurements (default 420)")
     return parser
+
+
+class UsageError(ValueError):
+    """A command-line argument that cannot work; reported as one line, exit status 2, before any work."""
+
+
+def _at_least(args: argparse.Namespace, name: str, low: float, why: str = "") -> None:
+    value = getattr(args, name)
+    if value is not None and value < low:
+        raise UsageError(f"--{name.replace('_', '-')} must be >= {low}{why}, got {value}")
+
+
+def _writable(option: str, path: Optional[str]) -> None:
+    """The file `path` can be created or replaced (checked before hours of work, not after)."""
+    if not path:
+        return
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise UsageError(f"{option} {path}: is a directory; give a file name")
+    if not parent.is_dir():
+        raise UsageError(f"{option} {path}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"{option} {path}: not writable")
+
+
+def _device(spec: Optional[str]) -> None:
+    if spec is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(f"--device {spec}: not a torch device ({exc})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {spec}: this torch has no usable CUDA device (torch.cuda.is_available() is False)")
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--device {spec}: cannot allocate a tensor there ({first})") from None
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Raises UsageError naming the first argument that cannot work."""
+    if args.command == "demo":
+        for name in ("steps", "layers", "batch"):
+            _at_least(args, name, 1)
+        # The loss of a causal LM shifts labels by one: one token leaves nothing to predict (a NaN loss).
+        _at_least(args, "seq", 2, " (a causal LM predicts token i+1 from token i)")
+        _at_least(args, "threads", 0)
+        _device(args.device)
+        _writable("--plot", args.plot)
+        _writable("--json", args.json)
+    else:
+        for name in ("layers", "steps"):
+            _at_least(args, name, 1)
+        _at_least(args, "warmup", 0)
+        _at_least(args, "threads", 0)
+        if args.fit_layers is not None:
+            _at_least(args, "fit_layers", 1)
+        if args.profile_seq is not None:
+            _at_least(args, "profile_seq", 2)
+        if args.budget_gib <= 0:
+            raise UsageError(f"--budget-gib must be > 0, got {args.budget_gib}")
+        if args.time_limit <= 0:
+            raise UsageError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+        if any(s < 2 for s in args.seqs):
+            raise UsageError(f"--seqs: every length must be >= 2, got {','.join(map(str, args.seqs))}")
+        _writable("--json", args.json)
+        _writable("--plot", args.plot)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -148,6 +222,11 @@ def _suffixed(path: str, suffix: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        validate(args)
+    except UsageError as exc:
+        print(f"hsoffload {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.verbose:
         logger.setLevel(logging.DEBUG)

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import torch
 
+from ._logging import log_once
+
 logger = logging.getLogger("hsoffload")
 
 _STAT_FIELDS = (
@@ -95,7 +97,9 @@ class OffloadConfig:
         for name in ("offload_cpu_tensors", "pin_memory", "use_streams"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"hsoffload: {name} must be a bool, got {getattr(self, name)!r}")
-        if self.max_pool_bytes is not None and (not isinstance(self.max_pool_bytes, int) or self.max_pool_bytes < 0):
+        if self.max_pool_bytes is not None and (
+            not isinstance(self.max_pool_bytes, int) or isinstance(self.max_pool_bytes, bool) or self.max_pool_bytes < 0
+        ):
             raise ValueError(f"hsoffload: max_pool_bytes must be None or a non-negative int, got {self.max_pool_bytes!r}")
 
 
@@ -163,6 +167,17 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
 
     def _report_if_ineffective(self) -> None:
         stats = self.stats
+        if stats.skipped_marked_tensors > 0:
+            log_once(
+                "skipped-marked",
+                logging.INFO,
+                "hsoffload: %d marked tensors were kept in place: CPU tensors (offload_cpu_tensors=False), tensors "
+                "below min_offload_size=%d bytes or empty, or tensors without plain storage of their own (nested, "
+                "sparse, quantized, meta/fake, __torch_dispatch__ subclasses such as DTensor). See "
+                "scope.stats.skipped_marked_tensors.",
+                stats.skipped_marked_tensors,
+                self.config.min_offload_size,
+            )
         if stats.saved_tensors_seen > 0 and stats.marked_tensors == 0 and not _warned_unmarked.is_set():
             _warned_unmarked.set()
             logger.warning(

@@ -13,7 +13,7 @@ import torch
 
 import hsemu
 
-DELAY = 20_000  # us: long enough that the host certainly looks before a delayed copy has run
+DELAY = 100_000  # us: so long that the host certainly looks before a delayed copy has run, even on a loaded machine
 
 
 def _poisoned(t: torch.Tensor) -> bool:

@@ -112,6 +112,7 @@ def test_prefetched_block_freed_early_is_not_reused_before_its_copy(dev):
         restored_b = unpack_op(handle_b)  # restores b on demand and prefetches a
         del handle_a  # a's graph is gone: its prefetched block is dropped while the copy into it is queued
         sentinel = _full(9.0, dev)
+    hsemu.synchronize()  # let the delayed side-stream copy land wherever it writes
     _expect(sentinel, 9.0)
     _expect(restored_b, 2.0)
     assert scope.stats.restored_tensors == 1
@@ -166,8 +167,9 @@ def test_host_buffer_is_not_lent_again_while_a_restore_reads_it(dev):
     with hsemu.copy_delay(h2d_us=DELAY, d2h_us=0):
         restored_a = unpack_op(handle_a)  # reads a's host buffer after DELAY
         del handle_a  # the record goes: its host buffer is idle in the pool, the read still pending
+        side = hsemu.new_stream()  # stream 0 waits for a's restore; c's producer must not
         second = _scope()
-        with second:
+        with hsemu.stream(side), second:
             c = _full(2.0, dev, n)
             handle_c = _pack(second, c)  # must not be given a's buffer
     _expect(restored_a, 1.0)
@@ -189,4 +191,5 @@ def test_host_buffer_is_not_lent_again_while_a_d2h_copy_writes_it(dev):
     with hsemu.stream(side), second:
         c = _full(2.0, dev, n)  # produced on a stream that does not lag
         handle_c = _pack(second, c)
+    hsemu.synchronize()  # every queued copy has landed, a's late one included
     _expect(unpack_op(handle_c), 2.0)

@@ -86,8 +86,12 @@ class InitSkipRecord {
   // The last decision set; `kFsdpDisabled`/no skip before any.
   SkipDecision decision() const;
 
-  // Records t's storage as flagged. Returns false (records nothing) for an
-  // undefined tensor or one without storage (sparse, nested).
+  // Whether t's storage can be recognised later (is_flagged): a strided,
+  // non-nested tensor with storage (meta included). Sparse and nested tensors
+  // cannot, so they are never skipped.
+  static bool can_flag(const at::Tensor& t);
+  // Records t's storage as flagged. Returns false (records nothing) when
+  // !can_flag(t).
   bool flag(const at::Tensor& t);
   // True when t shares storage with a flagged tensor that is still alive
   // (views, `.data` and `detach()` aliases included).

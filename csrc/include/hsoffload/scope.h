@@ -51,7 +51,7 @@ struct OffloadStats {
   int64_t marked_tensors = 0;          // packed tensors that carried a mark
   int64_t offloaded_tensors = 0;       // marked tensors whose data went to host (dedup: shared storage counts once)
   int64_t restored_tensors = 0;        // unpacks of offloaded tensors
-  int64_t skipped_marked_tensors = 0;  // marked but kept in place (CPU, too small, empty, no storage)
+  int64_t skipped_marked_tensors = 0;  // marked but kept in place (CPU, too small, empty, not plain storage)
   int64_t offloaded_bytes = 0;         // bytes copied device -> host
   int64_t restored_bytes = 0;          // bytes copied host -> device
   int64_t prefetch_hits = 0;           // restores served by a prefetch issued earlier
@@ -89,6 +89,8 @@ class SavedHandle {
   std::vector<int64_t> sizes_;
   std::vector<int64_t> strides_;
   int64_t offset_in_span_ = 0;  // elements from the start of the copied span
+  bool conj_ = false;           // conjugate and negative views are bits on the tensor, restored with it
+  bool neg_ = false;
   // Autograd skips its version check once saved-tensor hooks are installed; we
   // keep the tensor's shared version counter (not the tensor) to check it.
   std::optional<c10::VariableVersion> version_counter_;

@@ -1,0 +1,19 @@
+// Which tensors the engine may treat as bytes of their storage.
+//
+// Thread-safety: pure functions of their argument.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace hsoffload {
+
+// True iff `t`'s elements are plain bytes of its own storage on its own device,
+// so that a byte copy of a span of that storage (and `set_` on a copy of it)
+// reproduces `t`: defined, strided, not nested, sparse, quantized or mkldnn,
+// not meta, not a tensor subclass with its own dispatch (`__torch_dispatch__`:
+// DTensor and other wrappers keep their data in inner tensors, fake tensors in
+// no memory at all), with a storage on `t`'s device and a data pointer.
+// Everything else passes through the engine untouched.
+bool has_plain_storage(const at::Tensor& t);
+
+}  // namespace hsoffload

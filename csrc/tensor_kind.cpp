@@ -1,0 +1,25 @@
+#include "hsoffload/tensor_kind.h"
+
+#include <c10/core/DispatchKey.h>
+
+namespace hsoffload {
+
+bool has_plain_storage(const at::Tensor& t) {
+  if (!t.defined() || t.layout() != c10::kStrided || t.is_nested() || t.is_quantized() || t.is_meta()) {
+    return false;
+  }
+  const c10::DispatchKeySet keys = t.key_set();
+  if (keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::PythonTLSSnapshot)) {
+    return false;  // a __torch_dispatch__ subclass: its storage (if any) is not where its data is
+  }
+  if (!t.has_storage()) {
+    return false;
+  }
+  const c10::Storage& storage = t.storage();
+  if (storage.device_type() != t.device().type()) {
+    return false;  // e.g. a fake tensor made outside its mode: a CPU tensor over a meta storage
+  }
+  return storage.nbytes() == 0 || storage.data_ptr().get() != nullptr;
+}
+
+}  // namespace hsoffload

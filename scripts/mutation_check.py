@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Proof that the emulated-device tests can fail: delete each stream/event rule's line in csrc/, one at a time.
+
+For every mutation below, a scratch copy of the sources gets that one line removed (or replaced), the op library is
+rebuilt from the copy, and tests/emu runs against it (HSOFFLOAD_LIBRARY points the loader at the mutant). A mutation
+that no test catches is a missing test: the script exits 1 and names it. The unmutated build must pass first.
+
+Usage: python scripts/mutation_check.py [--only ID ...] [--markdown FILE]    (make mutation-check)
+Takes about 20 s per mutation on 2 cores (incremental rebuild of one file, then the emulated-device suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRATCH = ROOT / "build" / "mutation"
+logger = logging.getLogger("hsoffload.mutation")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    id: str
+    rule: str
+    file: str
+    line: str  # the exact source line (stripped) that enforces the rule
+    replacement: str = ""  # what replaces it ("" deletes it)
+
+
+MUTATIONS = [
+    Mutation("M1", "pack: D waits for the producer on C (e_prod)", "csrc/scope.cpp",
+             "produced.block(copy_stream);  // the copy reads x only after the compute stream wrote it"),
+    Mutation("M2", "pack: x's device block known to the allocator as used on D", "csrc/scope.cpp",
+             "impl.recordDataPtrOnStream(x.storage().data_ptr(), copy_stream);"),
+    Mutation("M3", "pack: host buffer's last use := d2h_done", "csrc/scope.cpp",
+             "record->host.record_use(record->d2h_done);"),
+    Mutation("M4", "restore: H waits for the allocation point on C (e_alloc)", "csrc/scope.cpp",
+             "allocated.block(copy_stream);"),
+    Mutation("M5", "restore: H waits for d2h_done", "csrc/scope.cpp",
+             "record.d2h_done->block(copy_stream);  // host bytes are complete before we read them"),
+    Mutation("M6", "restore: restored block known to the allocator as used on H", "csrc/scope.cpp",
+             "impl.recordDataPtrOnStream(dev.storage().data_ptr(), copy_stream);"),
+    Mutation("M7", "restore: host buffer's last use := h2d_done", "csrc/scope.cpp",
+             "record.host.record_use(record.h2d_done);"),
+    Mutation("M8", "unpack: the consumer's stream waits h2d_done", "csrc/scope.cpp",
+             "record.h2d_done->block(consumer);"),
+    Mutation("M9", "unpack: a consumer on another stream is known to the allocator", "csrc/scope.cpp",
+             "impl.recordDataPtrOnStream(dev.storage().data_ptr(), consumer);"),
+    Mutation("M10", "pool: a buffer is lent only after its last use completed", "csrc/host_pool.cpp",
+             "if (it->second.last_use && !it->second.last_use->query()) {", "if (false) {"),
+    Mutation("M11", "prefetch runs in reverse pack order", "csrc/scope.cpp",
+             "for (auto it = records_.rbegin(); it != records_.rend() && issued < config_.prefetch_depth; ++it) {",
+             "for (auto it = records_.begin(); it != records_.end() && issued < config_.prefetch_depth; ++it) {"),
+    Mutation("M12", "copies are non-blocking (no host sync in the hooks)", "csrc/scope.cpp",
+             "dst.copy_(src, /*non_blocking=*/pinned);", "dst.copy_(src, /*non_blocking=*/false);"),
+    Mutation("M13", "restores are non-blocking (no host sync in the hooks)", "csrc/scope.cpp",
+             "dev.copy_(src, /*non_blocking=*/record.host.pinned());", "dev.copy_(src, /*non_blocking=*/false);"),
+]
+
+_SOURCES = ("CMakeLists.txt", "csrc", "ops", "tests/emu")
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _env() -> dict[str, str]:
+    bindir = str(Path(sys.executable).parent)
+    return dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def _copy_sources(src_dir: Path) -> None:
+    """Makes the scratch copy equal to the checkout. Only files whose bytes differ are rewritten, with a fresh
+    mtime, so the incremental build recompiles exactly what changed (restoring an older mtime would leave a mutant
+    object file in place)."""
+    for name in _SOURCES:
+        src = ROOT / name
+        files = [p for p in src.rglob("*") if p.is_file()] if src.is_dir() else [src]
+        for path in files:
+            if "__pycache__" in path.parts:
+                continue
+            dst = src_dir / path.relative_to(ROOT)
+            data = path.read_bytes()
+            if not dst.exists() or dst.read_bytes() != data:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_bytes(data)
+
+
+def _apply(src_dir: Path, m: Mutation) -> None:
+    path = src_dir / m.file
+    lines = path.read_text().splitlines(keepends=True)
+    hits = [i for i, line in enumerate(lines) if line.strip() == m.line]
+    if len(hits) != 1:
+        raise SystemExit(f"{m.id}: expected exactly one line `{m.line}` in {m.file}, found {len(hits)}; "
+                         "update MUTATIONS in scripts/mutation_check.py to the current source")
+    i = hits[0]
+    indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+    lines[i] = f"{indent}{m.replacement}\n" if m.replacement else "\n"  # keep line numbers
+    path.write_text("".join(lines))
+
+
+def _build(src_dir: Path, build_dir: Path, env: dict[str, str]) -> Path:
+    if not (build_dir / "CMakeCache.txt").exists():
+        gen = ["-G", "Ninja"] if shutil.which("ninja", path=env["PATH"]) else []
+        done = _run(["cmake", "-S", str(src_dir), "-B", str(build_dir), *gen, f"-DHSOFFLOAD_PYTHON={sys.executable}"],
+                    env)
+        if done.returncode != 0:
+            raise SystemExit(f"configure failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    done = _run(["cmake", "--build", str(build_dir), "--target", "hsoffload"], env)
+    if done.returncode != 0:
+        raise SystemExit(f"build failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return build_dir / "libhsoffload.so"
+
+
+def _suite(library: Path, env: dict[str, str]) -> tuple[int, list[str], str]:
+    """Runs tests/emu against `library`; returns (exit code, failed test ids, output tail)."""
+    run_env = dict(env, HSOFFLOAD_LIBRARY=str(library), HSOFFLOAD_EMU_CHILD="1")
+    done = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "tests/emu"], run_env,
+                timeout=900)
+    failed = re.findall(r"^FAILED (\S+)", done.stdout, flags=re.M)
+    return done.returncode, failed, (done.stdout + done.stderr)[-3000:]
+
+
+def _summary(names: list[str]) -> str:
+    """Failed tests grouped by function (parametrized cases counted), rule tests first."""
+    groups: dict[str, int] = {}
+    for n in names:
+        base = n.split("[")[0]
+        groups[base] = groups.get(base, 0) + 1
+    ordered = sorted(groups, key=lambda b: (not b.startswith("test_") or "round_trip" in b, b))
+    parts = [f"`{b}`" + (f" ×{groups[b]}" if groups[b] > 1 else "") for b in ordered]
+    return ", ".join(parts) if parts else "**none**"
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="mutation ids to run (default: all)")
+    parser.add_argument("--markdown", type=Path, help="also write the result table to this file")
+    args = parser.parse_args()
+    env = _env()
+    src_dir, build_dir = SCRATCH / "src", SCRATCH / "build"
+    _copy_sources(src_dir)
+    t0 = time.monotonic()
+    code, failed, tail = _suite(_build(src_dir, build_dir, env), env)
+    if code != 0:
+        logger.error("the unmutated build fails tests/emu; fix that first:\n%s", tail)
+        return 2
+    logger.info("baseline: tests/emu passes against the unmutated build (%.0f s)", time.monotonic() - t0)
+    rows, survivors = [], []
+    for m in MUTATIONS:
+        if args.only and m.id not in args.only:
+            continue
+        _copy_sources(src_dir)
+        _apply(src_dir, m)
+        t1 = time.monotonic()
+        code, failed, tail = _suite(_build(src_dir, build_dir, env), env)
+        names = [f.split("::")[-1] for f in failed]
+        if code == 0 or not names:
+            survivors.append(m.id)
+            if code != 0:
+                logger.error("%s: the suite failed without a test failure:\n%s", m.id, tail)
+        rows.append((m, names))
+        logger.info("%s %-62s -> %s (%.0f s)", m.id, m.rule, ", ".join(names) or "SURVIVED", time.monotonic() - t1)
+    _copy_sources(src_dir)  # leave the scratch copy unmutated
+    table = ["| id | rule | line removed or changed | tests that failed |", "|---|---|---|---|"]
+    for m, names in rows:
+        change = f"`{m.line}`" + (f" → `{m.replacement}`" if m.replacement else " deleted")
+        table.append(f"| {m.id} | {m.rule} | {m.file}: {change} | {_summary(names)} |")
+    text = "\n".join(table)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    if survivors:
+        logger.error("mutations no test caught: %s", ", ".join(survivors))
+        return 1
+    logger.info("every mutation was caught (%d), %.0f s in all", len(rows), time.monotonic() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
