@@ -27,6 +27,8 @@ struct OffloadRecord {
   uint32_t source_version = 0;
   int64_t begin = 0;  // byte offsets of the span in the source storage
   int64_t end = 0;
+  int64_t source_align = 0;  // address of the span's first byte modulo kSpanAlignment
+  int64_t pad = 0;  // where the span starts inside the block of the current restore (prefetched or restored)
   HostBlock host;
   std::shared_ptr<c10::Event> d2h_done;  // null when the copy was synchronous
   // Restore state, guarded by `mutex`.
@@ -198,14 +200,42 @@ void OffloadScope::mark(const at::Tensor& x) {
   }
   maybe_prune_locked();
   if (!is_marked_locked(x)) {
-    marks_.push_back(Mark{c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr()), version_of(x)});
+    Mark m{c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr()),
+           c10::weak_intrusive_ptr<c10::StorageImpl>(c10::intrusive_ptr<c10::StorageImpl>()),
+           version_of(x),
+           x.scalar_type(),
+           0,
+           {},
+           {}};
+    if (has_plain_storage(x)) {
+      m.storage = x.storage().getWeakStorageImpl();
+      m.storage_offset = x.storage_offset();
+      m.sizes = x.sizes().vec();
+      m.strides = x.strides().vec();
+    }
+    marks_.push_back(std::move(m));
   }
+}
+
+bool OffloadScope::Mark::matches(const at::Tensor& x, uint32_t x_version) const {
+  if (version != x_version) {
+    return false;
+  }
+  if (impl.lock().get() == x.unsafeGetTensorImpl()) {
+    return true;
+  }
+  if (sizes.empty() && strides.empty() && storage.expired()) {
+    return false;  // marked without plain storage: only the tensor itself matches
+  }
+  return has_plain_storage(x) && storage.lock().get() == x.storage().unsafeGetStorageImpl() &&
+         x.scalar_type() == dtype && x.storage_offset() == storage_offset && x.sizes().equals(sizes) &&
+         x.strides().equals(strides);
 }
 
 bool OffloadScope::is_marked_locked(const at::Tensor& x) {
   const uint32_t version = version_of(x);
   for (const auto& m : marks_) {
-    if (m.version == version && m.impl.lock().get() == x.unsafeGetTensorImpl()) {
+    if (m.matches(x, version)) {
       return true;
     }
   }
@@ -213,7 +243,7 @@ bool OffloadScope::is_marked_locked(const at::Tensor& x) {
 }
 
 void OffloadScope::prune_locked() {
-  marks_.erase(std::remove_if(marks_.begin(), marks_.end(), [](const Mark& m) { return m.impl.expired(); }),
+  marks_.erase(std::remove_if(marks_.begin(), marks_.end(), [](const Mark& m) { return m.expired(); }),
                marks_.end());
   records_.erase(std::remove_if(records_.begin(), records_.end(),
                                 [](const std::weak_ptr<OffloadRecord>& r) { return r.expired(); }),
@@ -233,7 +263,7 @@ void OffloadScope::maybe_prune_locked() {
 int64_t OffloadScope::tracked_state() const {
   std::lock_guard<std::mutex> lock(*mutex_);
   int64_t n = 0;
-  for (const auto& m : marks_) n += m.impl.expired() ? 0 : 1;
+  for (const auto& m : marks_) n += m.expired() ? 0 : 1;
   for (const auto& r : records_) n += r.expired() ? 0 : 1;
   return n;
 }
@@ -338,6 +368,9 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
   record->source_version = version_of(x);
   record->begin = begin;
   record->end = end;
+  record->source_align =
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(x.storage().data_ptr().get()) % kSpanAlignment + begin) %
+      kSpanAlignment;
   record->mutex = mutex_;
   record->use_streams = config_.use_streams;
   const int64_t bytes = end - begin;
@@ -384,11 +417,25 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
   // Allocated while the compute stream is current so the block belongs to its
   // pool; the side stream waits for the allocation point and for the D2H copy.
   const int64_t bytes = record.bytes();
-  at::Tensor dev = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(record.device));
+  // The restored span starts at the same address modulo kSpanAlignment as the original did, so kernels see the
+  // same data-pointer alignment and take the same code paths (bit-identical results). Allocators that hand out
+  // kSpanAlignment-aligned blocks (CUDA's) get exactly `bytes`; others (the CPU's 64-byte alignment) a little more.
+  const auto options = at::TensorOptions().dtype(at::kByte).device(record.device);
+  at::Tensor block = at::empty({bytes}, options);
+  const auto misalignment = [&](const at::Tensor& b) {
+    const auto at = static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.data_ptr()) % kSpanAlignment);
+    return (record.source_align - at + kSpanAlignment) % kSpanAlignment;
+  };
+  record.pad = misalignment(block);
+  if (record.pad != 0) {
+    block = at::empty({bytes + kSpanAlignment}, options);
+    record.pad = misalignment(block);
+  }
+  at::Tensor dev = block.narrow(0, record.pad, bytes);
   at::Tensor src = record.host.view(bytes);
   if (record.device.is_cpu()) {
     dev.copy_(src);
-    record.prefetched = dev;
+    record.prefetched = block;
     record.h2d_done = nullptr;
     return;
   }
@@ -415,7 +462,7 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
   record.h2d_done = std::make_shared<c10::Event>(record.device.type());
   record.h2d_done->record(copy_stream);
   record.host.record_use(record.h2d_done);
-  record.prefetched = dev;
+  record.prefetched = block;
 }
 
 void OffloadScope::prefetch_before_locked(int64_t seq, int64_t epoch) {
@@ -442,7 +489,7 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
   at::Tensor dev;
   if (auto alive = record.restored.lock()) {
     // Restored earlier and still held (a second unpack of a shared storage).
-    dev = byte_view(c10::Storage(std::move(alive)), record.device, 0, record.bytes());
+    dev = byte_view(c10::Storage(std::move(alive)), record.device, record.pad, record.pad + record.bytes());
   } else {
     const bool hit = record.prefetched.defined();
     const auto t0 = std::chrono::steady_clock::now();
@@ -472,7 +519,8 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
   }
   count(stats_, &OffloadStats::restored_tensors, 1);
   at::Tensor out = at::empty({0}, at::TensorOptions().dtype(handle.dtype_).device(record.device));
-  out.set_(dev.storage(), handle.offset_in_span_, handle.sizes_, handle.strides_);
+  out.set_(dev.storage(), record.pad / at::elementSize(handle.dtype_) + handle.offset_in_span_, handle.sizes_,
+           handle.strides_);
   out._set_conj(handle.conj_);
   out._set_neg(handle.neg_);
   return out;

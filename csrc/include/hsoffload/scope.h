@@ -155,9 +155,20 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // Shared with this scope's records so a handle can restore after the scope object is gone.
   const std::shared_ptr<std::mutex> mutex_;
   bool active_ = false;
+  // A mark matches the marked TensorImpl, or an alias of it: the same live storage viewed with the same dtype,
+  // storage offset, sizes and strides at the same version. TorchScript's profiling executor, detach() inside custom
+  // Functions and functionalization hand autograd such aliases instead of the marked tensor. Weak references only:
+  // a mark never keeps memory alive, and a new storage at a reused address never matches.
   struct Mark {
     c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // empty for tensors without storage
     uint32_t version;
+    at::ScalarType dtype;
+    int64_t storage_offset;
+    std::vector<int64_t> sizes;
+    std::vector<int64_t> strides;
+    bool matches(const at::Tensor& x, uint32_t x_version) const;
+    bool expired() const { return impl.expired() && storage.expired(); }
   };
   std::vector<Mark> marks_;
   // Live records in pack order (weak: a record lives as long as its handles).
