@@ -12,6 +12,7 @@
 #include <atomic>
 #include <unordered_map>
 #include <chrono>
+#include <thread>
 #include <utility>
 
 namespace hsoffload {
@@ -160,10 +161,14 @@ std::shared_ptr<OffloadScope> OffloadScope::find(int64_t id) {
 void OffloadScope::enter() {
   {
     std::lock_guard<std::mutex> lock(*mutex_);
+    TORCH_CHECK(!active_ || owner_ == std::this_thread::get_id(),
+                "hsoffload: offload scope #", id_, " is active on another thread; scopes are per thread (marks "
+                "apply to the thread that entered the scope). Create one OffloadScope per thread.");
     TORCH_CHECK(!active_,
                 "hsoffload: this offload scope is already active; entering it again would end it at the inner exit. "
                 "Nest a new OffloadScope instead.");
     active_ = true;
+    owner_ = std::this_thread::get_id();
     ++epoch_;
   }
   tls_scopes.push_back(shared_from_this());
@@ -174,7 +179,10 @@ void OffloadScope::exit() {
   TORCH_CHECK(it != tls_scopes.rend(),
               "hsoffload: exiting an offload scope that this thread did not enter; enter and exit a scope on the "
               "same thread (each thread needs its own scope)");
-  tls_scopes.erase(std::next(it).base());
+  TORCH_CHECK(it == tls_scopes.rbegin(), "hsoffload: exiting offload scope #", id_, " while scope #",
+              tls_scopes.back()->id_, ", entered after it on this thread, is still active; exit scopes in the "
+              "reverse order of entering them (innermost first)");
+  tls_scopes.pop_back();
   std::lock_guard<std::mutex> lock(*mutex_);
   active_ = false;
   marks_.clear();

@@ -488,3 +488,38 @@ def test_max_pool_bytes_applies_when_entered(cpu_scope_kwargs):
         assert scope.stats.offloaded_tensors == 1
     finally:
         limits.set_pool_limit(original)
+
+
+def test_entering_a_scope_active_on_another_thread_says_scopes_are_per_thread(cpu_scope_kwargs):
+    scope = OffloadScope(**cpu_scope_kwargs)
+    err: list[BaseException] = []
+    with scope:
+        def other() -> None:
+            try:
+                with scope:
+                    pass
+            except RuntimeError as exc:
+                err.append(exc)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert err and "per thread" in str(err[0]) and "one OffloadScope per thread" in str(err[0])
+
+
+def test_exiting_scopes_out_of_order_is_refused_naming_both(cpu_scope_kwargs):
+    outer, inner = OffloadScope(**cpu_scope_kwargs), OffloadScope(**cpu_scope_kwargs)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match=rf"exiting offload scope #{outer.id} while scope #{inner.id}"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    # The engine refuses it too (the raw class, as TorchScript users call it).
+    a, b = torch.classes.hsoffload.OffloadScope(), torch.classes.hsoffload.OffloadScope()
+    a.enter()
+    b.enter()
+    with pytest.raises(RuntimeError, match=rf"exiting offload scope #{int(a.id())} while scope #{int(b.id())}"):
+        a.exit()
+    b.exit()
+    a.exit()

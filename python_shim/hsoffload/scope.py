@@ -155,6 +155,12 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> None:
+        inner = current_scope()
+        if inner is not None and inner is not self and self in getattr(_tls, "stack", []):
+            raise RuntimeError(
+                f"hsoffload: exiting offload scope #{self.id} while scope #{inner.id}, entered after it on this "
+                "thread, is still active; exit scopes in the reverse order of entering them (innermost first)"
+            )
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
@@ -195,6 +201,11 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 "thread; call it inside `with scope:` on the thread that entered it"
             )
         return mark_hidden_state(x)
+
+    @property
+    def id(self) -> int:
+        """Process-unique id of this scope (what the pack op takes as `scope`)."""
+        return int(self._scope.id())
 
     @property
     def active(self) -> bool:

@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -155,6 +156,7 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // Shared with this scope's records so a handle can restore after the scope object is gone.
   const std::shared_ptr<std::mutex> mutex_;
   bool active_ = false;
+  std::thread::id owner_;  // the thread that entered the scope while active_
   // A mark matches the marked TensorImpl, or an alias of it: the same live storage viewed with the same dtype,
   // storage offset, sizes and strides at the same version. TorchScript's profiling executor, detach() inside custom
   // Functions and functionalization hand autograd such aliases instead of the marked tensor. Weak references only:
