@@ -240,6 +240,11 @@ bool OffloadScope::Mark::matches(const at::Tensor& x, uint32_t x_version) const 
          x.strides().equals(strides);
 }
 
+bool OffloadScope::is_marked(const at::Tensor& x) {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  return active_ && x.defined() && is_marked_locked(x);
+}
+
 bool OffloadScope::is_marked_locked(const at::Tensor& x) {
   const uint32_t version = version_of(x);
   for (const auto& m : marks_) {

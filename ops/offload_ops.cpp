@@ -96,6 +96,15 @@ c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool
   return c10::make_intrusive<OffloadScopeHolder>(OffloadScope::create(config, global_host_pool()));
 }
 
+void mark_in(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.defined(), "OffloadScope.mark: x is an undefined tensor; pass the tensor to offload");
+  self->scope->mark(x);
+}
+
+bool is_marked(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x) {
+  return self->scope->is_marked(x);
+}
+
 std::vector<int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self) {
   return to_list(self->scope->stats());
 }

@@ -19,6 +19,8 @@ at::Tensor offload_unpack(const at::Tensor& handle);
 c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
                                                   bool use_streams, int64_t prefetch_depth);
 std::vector<int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
+void mark_in(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x);
+bool is_marked(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x);
 std::vector<int64_t> process_stats();
 std::vector<int64_t> pool_stats();
 void set_pool_limit(int64_t max_bytes);

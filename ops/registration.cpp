@@ -28,6 +28,10 @@ TORCH_LIBRARY(hsoffload, m) {
       .def("exit", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->exit(); })
       .def("active", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->active(); })
       .def("id", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->id(); })
+      // Marks x in this scope (from any thread; mark_hidden_state marks in the calling thread's current scope).
+      .def("mark", [](const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x) { mark_in(self, x); })
+      .def("is_marked",
+           [](const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x) { return is_marked(self, x); })
       .def("stats", &scope_stats)
       .def("tracked_state",
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->tracked_state(); })

@@ -106,6 +106,40 @@ class OffloadConfig:
 _warned_unmarked = threading.Event()  # "log once" flag, process-wide by intent
 
 
+class _DTensorHandle:
+    """What the pack hook keeps for a marked DTensor: the engine's handle of its local shard, and its metadata."""
+
+    __slots__ = ("local", "spec", "requires_grad")
+
+    def __init__(self, local: torch.Tensor, spec: Any, requires_grad: bool) -> None:
+        self.local, self.spec, self.requires_grad = local, spec, requires_grad
+
+    def unpack(self) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor(torch.ops.hsoffload.offload_unpack(self.local), self.spec, requires_grad=self.requires_grad)
+
+
+def _dtensor_class() -> Optional[type]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def _pack_subclass(engine: Any, x: torch.Tensor, scope_id: int) -> Any:
+    """Tensor subclasses: a marked DTensor offloads its local shard and comes back as a DTensor with the same mesh,
+    placements and metadata; every other subclass goes to the engine, which passes it through untouched (counted
+    in skipped_marked_tensors when marked, logged once at scope exit)."""
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(x, dtensor) and engine.is_marked(x):
+        local = x._local_tensor
+        engine.mark(local)
+        return _DTensorHandle(torch.ops.hsoffload.offload_pack(local, scope_id), x._spec, x.requires_grad)
+    return torch.ops.hsoffload.offload_pack(x, scope_id)
+
+
 class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
     """Offloads marked saved tensors to host memory while active.
 
@@ -127,14 +161,21 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         scope_id = int(self._scope.id())
         pack_op = torch.ops.hsoffload.offload_pack.default
         unpack_op = torch.ops.hsoffload.offload_unpack.default
+        engine = self._scope
+        plain = (torch.Tensor, torch.nn.Parameter)
 
-        def pack_hook(x: torch.Tensor) -> torch.Tensor:
-            return pack_op(x, scope_id)
+        def pack_hook(x: torch.Tensor) -> Any:
+            if type(x) in plain:
+                return pack_op(x, scope_id)
+            return _pack_subclass(engine, x, scope_id)
+
+        def unpack_hook(packed: Any) -> torch.Tensor:
+            return unpack_op(packed) if type(packed) is torch.Tensor else packed.unpack()
 
         # The exact callables installed as saved-tensor hooks (benchmarks time these).
         self.pack_hook = pack_hook
-        self.unpack_hook = unpack_op
-        super().__init__(pack_hook, unpack_op)
+        self.unpack_hook = unpack_hook
+        super().__init__(pack_hook, unpack_hook)
 
     def __enter__(self) -> "OffloadScope":
         if self.config.max_pool_bytes is not None:

@@ -123,6 +123,9 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // Records that `x` (this TensorImpl at its current version) is to be
   // offloaded when packed while this scope is active.
   void mark(const at::Tensor& x);
+  // True if packing `x` now would find a mark (the tensor itself or an alias, see Mark). Lets a caller that
+  // unwraps tensor subclasses (DTensor) mark the inner tensor it will pack instead.
+  bool is_marked(const at::Tensor& x);
   // The pack hook: decides passthrough or offload and starts the copy.
   std::shared_ptr<SavedHandle> pack(const at::Tensor& x);
   OffloadStats stats() const;
