@@ -235,7 +235,11 @@ bool OffloadScope::Mark::matches(const at::Tensor& x, uint32_t x_version) const 
   if (sizes.empty() && strides.empty() && storage.expired()) {
     return false;  // marked without plain storage: only the tensor itself matches
   }
-  return has_plain_storage(x) && storage.lock().get() == x.storage().unsafeGetStorageImpl() &&
+  // Not an alias that is a leaf requiring grad: that is how a reentrant checkpoint's recompute in backward re-saves
+  // its (detached) inputs, which must not count as a new marked save. The executor's aliases have a grad_fn;
+  // detach()'s do not require grad.
+  const bool recompute_input = x.requires_grad() && x.is_leaf();
+  return !recompute_input && has_plain_storage(x) && storage.lock().get() == x.storage().unsafeGetStorageImpl() &&
          x.scalar_type() == dtype && x.storage_offset() == storage_offset && x.sizes().equals(sizes) &&
          x.strides().equals(strides);
 }

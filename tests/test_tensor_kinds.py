@@ -114,6 +114,8 @@ def test_fake_tensor_made_outside_its_mode_passes_through():
         pytest.param(lambda: torch.randn(4, 4).to_sparse(), id="sparse_coo"),
         pytest.param(lambda: torch.randn(4, 4).to_sparse_csr(), id="sparse_csr"),
         pytest.param(lambda: torch.randn(4, 4, device="meta"), id="meta"),
+        pytest.param(lambda: torch.randn(4, 4).to_mkldnn(), id="mkldnn",
+                     marks=pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no mkldnn")),
     ],
 )
 def test_tensors_without_plain_storage_pass_through(make):

@@ -160,8 +160,8 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   const std::shared_ptr<std::mutex> mutex_;
   bool active_ = false;
   std::thread::id owner_;  // the thread that entered the scope while active_
-  // A mark matches the marked TensorImpl, or an alias of it: the same live storage viewed with the same dtype,
-  // storage offset, sizes and strides at the same version. TorchScript's profiling executor, detach() inside custom
+  // A mark matches the marked TensorImpl, or an alias of it (not a leaf that requires grad): the same live storage
+  // viewed with the same dtype, storage offset, sizes and strides at the same version. TorchScript's profiling executor, detach() inside custom
   // Functions and functionalization hand autograd such aliases instead of the marked tensor. Weak references only:
   // a mark never keeps memory alive, and a new storage at a reused address never matches.
   struct Mark {
