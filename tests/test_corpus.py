@@ -20,6 +20,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hsoffload import OffloadScope  # noqa: E402
+from subclasses import Wrapper  # noqa: E402
 
 REGRESSIONS = Path(__file__).with_name("corpus_regressions.json")
 DTYPES = {
@@ -30,23 +31,6 @@ DTYPES = {
 VIEWS = ("whole", "slice", "transpose", "step", "expand", "select", "narrow_offset")
 BITS = ("none", "conj", "neg")
 SUBCLASSES = ("plain", "wrapper", "parameter_like_leaf")
-
-
-class Wrapper(torch.Tensor):
-    """A __torch_dispatch__ wrapper subclass (DTensor-like: no data in its own storage)."""
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
-
-    def __init__(self, inner: torch.Tensor) -> None:
-        self.inner = inner
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        unwrap = lambda t: t.inner if isinstance(t, Wrapper) else t  # noqa: E731
-        out = func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
-        return torch.utils._pytree.tree_map(lambda t: Wrapper(t) if isinstance(t, torch.Tensor) else t, out)
 
 
 def build(case: dict[str, Any]) -> torch.Tensor:

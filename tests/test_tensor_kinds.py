@@ -14,6 +14,7 @@ import torch
 
 import hsoffload
 from hsoffload import OffloadScope
+from subclasses import Wrapper
 
 pack_op = torch.ops.hsoffload.offload_pack
 unpack_op = torch.ops.hsoffload.offload_unpack
@@ -66,23 +67,6 @@ def test_conj_view_gradient_equals_stock():
     assert torch.equal(run(False), run(True))
 
 
-class _Wrapper(torch.Tensor):
-    """A minimal __torch_dispatch__ wrapper subclass: its storage is not where its data is."""
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
-
-    def __init__(self, inner: torch.Tensor) -> None:
-        self.inner = inner
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        unwrap = lambda t: t.inner if isinstance(t, _Wrapper) else t  # noqa: E731
-        out = func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
-        return torch.utils._pytree.tree_map(lambda t: _Wrapper(t) if isinstance(t, torch.Tensor) else t, out)
-
-
 def _passes_through(x: torch.Tensor) -> None:
     out, stats = _roundtrip(x)
     assert out is x, f"{type(x).__name__} did not pass through"
@@ -90,7 +74,7 @@ def _passes_through(x: torch.Tensor) -> None:
 
 
 def test_wrapper_subclass_passes_through_instead_of_crashing():
-    _passes_through(_Wrapper(torch.randn(4, 4)))
+    _passes_through(Wrapper(torch.randn(4, 4)))
 
 
 def test_fake_tensor_made_outside_its_mode_passes_through():
