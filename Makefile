@@ -9,7 +9,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 COMPILE_CHECK_TORCH ?= 2.11.0 2.14.1
 
-.PHONY: all venv build install test test-cpp compile-check test-torch214 mutation-check demo bench gpu-check clean
+.PHONY: all venv build install test test-cpp compile-check test-torch214 test-install mutation-check demo bench gpu-check clean
 
 all: test
 
@@ -37,6 +37,10 @@ test: install
 # compile against the headers of the releases we do not run the tests with.
 compile-check: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/compile_check.sh $(PY) $(COMPILE_CHECK_TORCH)
+
+# The documented install paths, as written, in fresh environments with only torch (README, docs/axolotl.md).
+test-install:
+	bash scripts/install_check.sh $(PYTHON)
 
 # Proof that the emulated-device tests (tests/emu) catch every missing stream/event rule: deletes each rule's
 # line in a scratch copy of csrc/, rebuilds, reruns tests/emu (about 20 s a mutation; not part of CI).

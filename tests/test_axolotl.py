@@ -295,3 +295,30 @@ def test_plugin_installs_fsdp_loading_patch_for_ram_efficient_loading() -> None:
     finally:
         fsdp.unpatch()
     assert not fsdp.is_patched()
+
+
+def test_plugin_refuses_unknown_keys_naming_the_closest() -> None:
+    plugin = HsOffloadPlugin()
+    with pytest.raises(ValueError, match="unknown Axolotl config key hsoffload_prefetch_dept; did you mean "
+                       "hsoffload_prefetch_depth"):
+        plugin.register(Cfg(activation_offloading="hidden_states", hsoffload_prefetch_dept=2))
+    with pytest.raises(ValueError, match="hsoffload_frobnicate; known keys: hsoffload_min_offload_size"):
+        plugin.register(Cfg(hsoffload_frobnicate=1))
+    plugin.register(Cfg(activation_offloading="hidden_states", hsoffload_prefetch_depth=2, other_key=3))
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("hsoffload_prefetch_depth", -1), ("hsoffload_min_offload_size", "1k"), ("hsoffload_max_pool_bytes", -5),
+     ("hsoffload_use_streams", "yes"), ("hsoffload_offload_cpu_tensors", 1), ("hsoffload_prefetch_depth", True)],
+)
+def test_plugin_refuses_invalid_values_before_the_model_loads(key: str, value: Any) -> None:
+    plugin = HsOffloadPlugin()
+    with pytest.raises(ValueError, match=rf"{key}: .* is not allowed; expected"):
+        plugin.register(Cfg(activation_offloading="hidden_states", **{key: value}))
+    with pytest.raises(ValueError, match=key):  # and again at pre_model_load, for Axolotls that pass no cfg
+        plugin.pre_model_load(Cfg(activation_offloading="hidden_states", **{key: value}))
+    module_name, cls_name = plugin.get_input_args().rsplit(".", 1)
+    schema = getattr(importlib.import_module(module_name), cls_name)
+    with pytest.raises(Exception, match=key):  # Axolotl's own pydantic config check refuses it too
+        schema(**{key: value})

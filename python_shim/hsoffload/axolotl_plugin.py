@@ -48,20 +48,58 @@ except ImportError:  # Axolotl absent: a stand-in with the same (no-op) construc
             pass
 
 
+# Every Axolotl key the plugin reads, with what it accepts. The one source of truth for validation (below) and for
+# the pydantic schema Axolotl merges into its config (so Axolotl's own config check refuses bad values too).
+KEYS: dict[str, tuple[type, str]] = {
+    "hsoffload_min_offload_size": (int, "an int >= 0 (bytes)"),
+    "hsoffload_prefetch_depth": (int, "an int >= 0"),
+    "hsoffload_max_pool_bytes": (int, "null or an int >= 0 (bytes)"),
+    "hsoffload_use_streams": (bool, "true or false"),
+    "hsoffload_offload_cpu_tensors": (bool, "true or false"),
+}
+
 try:
-    from pydantic import BaseModel
+    from pydantic import BaseModel, Field, StrictBool, StrictInt
 
     class HsOffloadArgs(BaseModel):
         """Axolotl config keys read by `HsOffloadPlugin` (merged into Axolotl's config schema)."""
 
-        hsoffload_min_offload_size: Optional[int] = None
-        hsoffload_prefetch_depth: Optional[int] = None
-        hsoffload_max_pool_bytes: Optional[int] = None
-        hsoffload_use_streams: Optional[bool] = None
-        hsoffload_offload_cpu_tensors: Optional[bool] = None
+        hsoffload_min_offload_size: Optional[StrictInt] = Field(default=None, ge=0)
+        hsoffload_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
+        hsoffload_max_pool_bytes: Optional[StrictInt] = Field(default=None, ge=0)
+        hsoffload_use_streams: Optional[StrictBool] = None
+        hsoffload_offload_cpu_tensors: Optional[StrictBool] = None
 
 except ImportError:  # pragma: no cover - pydantic ships with Axolotl
     HsOffloadArgs = None  # type: ignore[assignment,misc]
+
+
+def _cfg_keys(cfg: Any) -> list[str]:
+    keys = getattr(cfg, "keys", None)
+    if callable(keys):
+        return [str(k) for k in keys()]
+    return [k for k in vars(cfg)] if hasattr(cfg, "__dict__") else []
+
+
+def validate_config(cfg: Any) -> None:
+    """Refuses unknown `hsoffload_*` keys (naming the closest known one) and invalid values (naming key, value and
+    what is allowed). Runs when Axolotl reads the config, before any model is loaded."""
+    import difflib
+
+    for key in _cfg_keys(cfg):
+        if key.startswith("hsoffload_") and key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; known keys: {', '.join(KEYS)}"
+            raise ValueError(f"hsoffload plugin: unknown Axolotl config key {key}{hint}")
+    for key, (kind, allowed) in KEYS.items():
+        value = _cfg_get(cfg, key)
+        if value is None:
+            continue
+        ok = isinstance(value, bool) if kind is bool else (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        )
+        if not ok:
+            raise ValueError(f"hsoffload plugin: {key}: {value!r} is not allowed; expected {allowed}")
 
 HIDDEN_STATES_MODE = "hidden_states"
 # Axolotl's trainer attribute holding the context it enters around each training step.
@@ -123,7 +161,14 @@ class HsOffloadPlugin(BasePlugin):
     def get_input_args(self) -> Optional[str]:
         return "hsoffload.axolotl_plugin.HsOffloadArgs" if HsOffloadArgs is not None else None
 
+    def register(self, cfg: Any = None) -> None:
+        """Called by Axolotl when it loads the plugin while reading the config: the `hsoffload_*` keys are checked
+        here, before any model is loaded."""
+        if cfg is not None:
+            validate_config(cfg)
+
     def pre_model_load(self, cfg: Any) -> None:
+        validate_config(cfg)  # again, for Axolotl versions that call register() without the config
         if is_enabled(cfg):
             patch()
         if wants_ram_efficient_loading(cfg):
