@@ -208,13 +208,10 @@ void OffloadScope::mark(const at::Tensor& x) {
   }
   maybe_prune_locked();
   if (!is_marked_locked(x)) {
-    Mark m{c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr()),
-           c10::weak_intrusive_ptr<c10::StorageImpl>(c10::intrusive_ptr<c10::StorageImpl>()),
-           version_of(x),
-           x.scalar_type(),
-           0,
-           {},
-           {}};
+    Mark m;
+    m.impl = c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr());
+    m.version = version_of(x);
+    m.dtype = x.scalar_type();
     if (has_plain_storage(x)) {
       m.storage = x.storage().getWeakStorageImpl();
       m.storage_offset = x.storage_offset();
@@ -231,9 +228,6 @@ bool OffloadScope::Mark::matches(const at::Tensor& x, uint32_t x_version) const 
   }
   if (impl.lock().get() == x.unsafeGetTensorImpl()) {
     return true;
-  }
-  if (sizes.empty() && strides.empty() && storage.expired()) {
-    return false;  // marked without plain storage: only the tensor itself matches
   }
   // Not an alias that is a leaf requiring grad: that is how a reentrant checkpoint's recompute in backward re-saves
   // its (detached) inputs, which must not count as a new marked save. The executor's aliases have a grad_fn;
@@ -385,9 +379,9 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
   record->source_version = version_of(x);
   record->begin = begin;
   record->end = end;
+  // `begin` is a multiple of kSpanAlignment, so the span starts where the storage does, modulo kSpanAlignment.
   record->source_align =
-      static_cast<int64_t>(reinterpret_cast<uintptr_t>(x.storage().data_ptr().get()) % kSpanAlignment + begin) %
-      kSpanAlignment;
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(x.storage().data_ptr().get()) % kSpanAlignment);
   record->mutex = mutex_;
   record->use_streams = config_.use_streams;
   const int64_t bytes = end - begin;

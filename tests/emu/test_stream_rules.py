@@ -30,8 +30,7 @@ def _scope(**kwargs) -> OffloadScope:
 def _pack(scope: OffloadScope, x: torch.Tensor) -> torch.Tensor:
     """Marks and packs `x` in `scope` (must be entered), as the saved-tensor hook would."""
     scope.mark(x)
-    handle = pack_op(x, int(scope._scope.id()))
-    return handle
+    return pack_op(x, scope.id)
 
 
 def _full(value: float, dev: torch.device, n: int = N) -> torch.Tensor:

@@ -161,15 +161,16 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   bool active_ = false;
   std::thread::id owner_;  // the thread that entered the scope while active_
   // A mark matches the marked TensorImpl, or an alias of it (not a leaf that requires grad): the same live storage
-  // viewed with the same dtype, storage offset, sizes and strides at the same version. TorchScript's profiling executor, detach() inside custom
-  // Functions and functionalization hand autograd such aliases instead of the marked tensor. Weak references only:
-  // a mark never keeps memory alive, and a new storage at a reused address never matches.
+  // viewed with the same dtype, storage offset, sizes and strides at the same version. TorchScript's profiling
+  // executor, detach() inside custom Functions and functionalization hand autograd such aliases instead of the
+  // marked tensor. Weak references only: a mark never keeps memory alive, and a new storage at a reused address
+  // never matches (an empty `storage` locks to null, so a mark without plain storage matches only itself).
   struct Mark {
-    c10::weak_intrusive_ptr<c10::TensorImpl> impl;
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // empty for tensors without storage
-    uint32_t version;
-    at::ScalarType dtype;
-    int64_t storage_offset;
+    c10::weak_intrusive_ptr<c10::TensorImpl> impl{c10::intrusive_ptr<c10::TensorImpl>()};
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+    uint32_t version = 0;
+    at::ScalarType dtype = at::kByte;
+    int64_t storage_offset = 0;
     std::vector<int64_t> sizes;
     std::vector<int64_t> strides;
     bool matches(const at::Tensor& x, uint32_t x_version) const;
