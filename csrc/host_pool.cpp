@@ -12,41 +12,75 @@
 
 namespace hsoffload {
 
+namespace {
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+int64_t pow2_floor(int64_t n) {
+  int64_t p = 1;
+  while (p * 2 <= n) p *= 2;
+  return p;
+}
+int64_t pow2_ceil(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+}  // namespace
+
 at::Tensor default_host_alloc(int64_t bytes, bool pinned) {
   return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCPU).pinned_memory(pinned));
+}
+
+// ---------------------------------------------------------------------------
+// HostBlock
+
+HostBlock::HostBlock(HostBlock&& other) noexcept
+    : pieces_(std::move(other.pieces_)),
+      extents_(std::move(other.extents_)),
+      bytes_(other.bytes_),
+      pinned_(other.pinned_),
+      last_use_(std::move(other.last_use_)),
+      pool_(std::move(other.pool_)) {
+  other.pieces_.clear();
+  other.extents_.clear();
+  other.bytes_ = 0;
 }
 
 HostBlock& HostBlock::operator=(HostBlock&& other) noexcept {
   if (this != &other) {
     release();
-    buffer_ = std::move(other.buffer_);
+    pieces_ = std::move(other.pieces_);
+    extents_ = std::move(other.extents_);
+    bytes_ = other.bytes_;
     pinned_ = other.pinned_;
-    pooled_ = other.pooled_;
     last_use_ = std::move(other.last_use_);
     pool_ = std::move(other.pool_);
+    other.pieces_.clear();
+    other.extents_.clear();
+    other.bytes_ = 0;
   }
   return *this;
 }
 
 HostBlock::~HostBlock() { release(); }
 
-at::Tensor HostBlock::view(int64_t bytes) const {
-  TORCH_INTERNAL_ASSERT(buffer_.defined() && bytes <= buffer_.numel());
-  return buffer_.narrow(0, 0, bytes);
-}
-
 void HostBlock::record_use(std::shared_ptr<c10::Event> event) { last_use_ = std::move(event); }
 
 void HostBlock::release() {
-  if (!buffer_.defined()) {
+  if (extents_.empty()) {
+    pieces_.clear();
     return;
   }
   if (auto pool = pool_.lock()) {
-    pool->give_back(std::move(buffer_), pinned_, pooled_, std::move(last_use_));
+    pool->give_back(std::move(extents_), std::move(last_use_));
   }
-  buffer_ = at::Tensor();
+  pieces_.clear();  // after give_back: an unpooled buffer is freed here, a slab lives on in the pool
+  extents_.clear();
   last_use_.reset();
+  bytes_ = 0;
 }
+
+// ---------------------------------------------------------------------------
+// HostPool
 
 std::shared_ptr<HostPool> HostPool::create(int64_t max_bytes, HostAllocFn alloc) {
   TORCH_CHECK_VALUE(max_bytes >= 0, "HostPool: max_bytes must be >= 0, got ", max_bytes);
@@ -55,94 +89,178 @@ std::shared_ptr<HostPool> HostPool::create(int64_t max_bytes, HostAllocFn alloc)
 
 HostPool::HostPool(int64_t max_bytes, HostAllocFn alloc) : max_bytes_(max_bytes), alloc_(std::move(alloc)) {}
 
-int64_t HostPool::round_size(int64_t bytes) {
-  constexpr int64_t kMinGranule = 512;
-  int64_t pow2 = 1;
-  while (pow2 < bytes) {
-    pow2 <<= 1;
+int64_t HostPool::slab_size(int64_t held, int64_t need) {
+  return std::clamp(pow2_floor(std::max<int64_t>(held + need, 1) / 32), kMinSlab, kMaxSlab);
+}
+
+void HostPool::take_locked(Slab& slab, int64_t slab_id, int64_t offset, int64_t length, HostBlock& block) {
+  auto it = slab.free.find(offset);
+  TORCH_INTERNAL_ASSERT(it != slab.free.end() && it->second >= length);
+  const int64_t rest = it->second - length;
+  slab.free.erase(it);
+  if (rest > 0) {
+    slab.free.emplace(offset + length, rest);
   }
-  const int64_t granule = std::max(kMinGranule, pow2 / 32);
-  return std::max<int64_t>(granule, (bytes + granule - 1) / granule * granule);
+  slab.free_bytes -= length;
+  int64_t lent = 0;
+  for (const auto& p : block.pieces_) lent += p.numel();
+  const int64_t used = std::min(length, block.bytes_ - lent);  // the last piece ends at bytes(), not at the granule
+  block.pieces_.push_back(slab.buffer.narrow(0, offset, used));
+  block.extents_.push_back(HostBlock::Extent{slab_id, offset, length});
 }
 
 HostBlock HostPool::acquire(int64_t bytes, bool pinned) {
-  const int64_t rounded = round_size(bytes);
+  TORCH_CHECK_VALUE(bytes > 0, "HostPool.acquire: bytes must be > 0, got ", bytes);
+  const int64_t need = round_up(bytes, kGranule);
   HostBlock block;
+  block.bytes_ = bytes;
   block.pinned_ = pinned;
   block.pool_ = weak_from_this();
-  std::unique_lock<std::mutex> lock(mutex_);
-  auto& idle = idle_[pinned ? 1 : 0];
-  // Best fit among idle buffers at most 1/16 larger than needed whose last
-  // device use has completed.
-  const int64_t max_fit = rounded + rounded / 16;
-  for (auto it = idle.lower_bound(rounded); it != idle.end() && it->first <= max_fit; ++it) {
-    if (it->second.last_use && !it->second.last_use->query()) {
-      continue;
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.acquires += 1;
+  reap_pending_locked();
+  // One extent if a free range is large enough (best fit: the smallest such range).
+  Slab* best = nullptr;
+  int64_t best_id = -1, best_offset = 0, best_length = 0;
+  int64_t free_total = 0;
+  for (auto& [id, slab] : slabs_) {
+    if (slab.pinned != pinned) continue;
+    free_total += slab.free_bytes;
+    for (const auto& [offset, length] : slab.free) {
+      if (length >= need && (best == nullptr || length < best_length)) {
+        best = &slab, best_id = id, best_offset = offset, best_length = length;
+      }
     }
-    block.buffer_ = std::move(it->second.buffer);
-    block.pooled_ = true;
-    idle.erase(it);
-    stats_.cached_bytes -= block.buffer_.numel();
-    stats_.in_use_bytes += block.buffer_.numel();
+  }
+  if (best != nullptr) {
+    take_locked(*best, best_id, best_offset, need, block);
     stats_.reuses += 1;
+    stats_.in_use_bytes += need;
+    stats_.cached_bytes -= need;
     return block;
   }
-  // Miss: drop one idle buffer (the largest whose device use has completed) so
-  // that buffers sized for an older working set do not accumulate.
-  for (auto it = idle.rbegin(); it != idle.rend(); ++it) {
-    if (!it->second.last_use || it->second.last_use->query()) {
-      stats_.cached_bytes -= it->first;
-      stats_.held_bytes -= it->first;
-      idle.erase(std::next(it).base());
-      break;
+  // Otherwise new slabs for what the free ranges cannot cover, then the largest ranges first (fewest extents).
+  const int64_t deficit = std::max<int64_t>(0, need - free_total);
+  std::vector<int64_t> sizes;
+  if (deficit > 0) {
+    const int64_t unit = slab_size(stats_.held_bytes, deficit);
+    for (int64_t left = deficit; left > 0; left -= sizes.back()) {
+      sizes.push_back(left >= unit ? unit : std::min(unit, std::max(kMinSlab, pow2_ceil(left))));
     }
-  }
-  if (stats_.held_bytes + rounded > max_bytes_) {
-    trim_locked(std::max<int64_t>(0, max_bytes_ - rounded));
-  }
-  const bool pooled = stats_.held_bytes + rounded <= max_bytes_;
-  lock.unlock();
-  // Allocation can take milliseconds for pinned memory: do it unlocked.
-  block.buffer_ = alloc_(rounded, pinned);
-  block.pooled_ = pooled;
-  lock.lock();
-  stats_.allocations += 1;
-  if (pooled) {
-    stats_.held_bytes += rounded;
-    stats_.in_use_bytes += rounded;
+    int64_t new_bytes = 0;
+    for (int64_t s : sizes) new_bytes += s;
+    if (stats_.held_bytes + new_bytes > max_bytes_) {
+      // Over the bound: a buffer of its own, freed on return.
+      block.pieces_.push_back(alloc_(need, pinned).narrow(0, 0, bytes));
+      block.extents_.push_back(HostBlock::Extent{-1, 0, need});
+      stats_.allocations += 1;
+      stats_.unpooled += 1;
+      return block;
+    }
+    for (int64_t s : sizes) {
+      Slab slab;
+      slab.buffer = alloc_(s, pinned);
+      slab.pinned = pinned;
+      slab.free.emplace(0, s);
+      slab.free_bytes = s;
+      slabs_.emplace(next_slab_id_++, std::move(slab));
+      stats_.allocations += 1;
+      stats_.slabs += 1;
+      stats_.held_bytes += s;
+      stats_.cached_bytes += s;
+    }
     stats_.peak_held_bytes = std::max(stats_.peak_held_bytes, stats_.held_bytes);
   } else {
-    stats_.unpooled += 1;
+    stats_.reuses += 1;
   }
+  struct Range {
+    int64_t length, slab, offset;
+  };
+  std::vector<Range> ranges;
+  for (auto& [id, slab] : slabs_) {
+    if (slab.pinned != pinned) continue;
+    for (const auto& [offset, length] : slab.free) ranges.push_back(Range{length, id, offset});
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.length > b.length; });
+  int64_t left = need;
+  for (const auto& r : ranges) {
+    if (left == 0) break;
+    const int64_t take = std::min(left, r.length);
+    take_locked(slabs_.at(r.slab), r.slab, r.offset, take, block);
+    left -= take;
+  }
+  TORCH_INTERNAL_ASSERT(left == 0);
+  stats_.in_use_bytes += need;
+  stats_.cached_bytes -= need;
   return block;
 }
 
-void HostPool::give_back(at::Tensor buffer, bool pinned, bool pooled, std::shared_ptr<c10::Event> last_use) {
-  if (!pooled) {
-    return;  // an over-the-limit buffer: freed here (the allocator keeps pending copies safe)
+void HostPool::free_extent_locked(const HostBlock::Extent& e) {
+  auto found = slabs_.find(e.slab);
+  TORCH_INTERNAL_ASSERT(found != slabs_.end());
+  Slab& slab = found->second;
+  int64_t offset = e.offset, length = e.length;
+  auto next = slab.free.lower_bound(offset);
+  if (next != slab.free.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == offset) {
+      offset = prev->first;
+      length += prev->second;
+      slab.free.erase(prev);
+    }
   }
+  if (next != slab.free.end() && offset + length == next->first) {
+    length += next->second;
+    slab.free.erase(next);
+  }
+  slab.free.emplace(offset, length);
+  slab.free_bytes += e.length;
+}
+
+void HostPool::give_back(std::vector<HostBlock::Extent> extents, std::shared_ptr<c10::Event> last_use) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const int64_t size = buffer.numel();
-  stats_.in_use_bytes -= size;
-  stats_.cached_bytes += size;
-  idle_[pinned ? 1 : 0].emplace(size, Idle{std::move(buffer), std::move(last_use)});
+  if (extents.size() == 1 && extents[0].slab < 0) {
+    return;  // unpooled: the caller drops the buffer (the host allocator keeps pending copies safe)
+  }
+  int64_t total = 0;
+  for (const auto& e : extents) total += e.length;
+  stats_.in_use_bytes -= total;
+  stats_.cached_bytes += total;
+  if (last_use && !last_use->query()) {
+    pending_.push_back(Pending{std::move(extents), std::move(last_use)});
+    return;
+  }
+  for (const auto& e : extents) free_extent_locked(e);
   if (stats_.held_bytes > max_bytes_) {
     trim_locked(max_bytes_);
   }
 }
 
-// Frees idle buffers without waiting for their last device use: safe because
-// pinned buffers come from the accelerator's caching host allocator, which
-// records an event for every non-blocking copy and does not reuse a block
-// before that event completes; pageable buffers are only copied synchronously.
+void HostPool::reap_pending_locked() {
+  auto done = std::remove_if(pending_.begin(), pending_.end(), [this](Pending& p) {
+    if (p.last_use && !p.last_use->query()) return false;
+    for (const auto& e : p.extents) free_extent_locked(e);
+    return true;
+  });
+  pending_.erase(done, pending_.end());
+}
+
+// Frees slabs with nothing lent and nothing pending, largest first (fewest frees). Safe without waiting: pinned
+// slabs come from the accelerator's caching host allocator, which records an event for every non-blocking copy
+// and does not reuse a block before that event completes; pageable memory is only copied synchronously.
 void HostPool::trim_locked(int64_t target_bytes) {
-  for (auto& idle : idle_) {
-    while (stats_.held_bytes > target_bytes && !idle.empty()) {
-      auto it = std::prev(idle.end());  // largest first: fewest frees
-      stats_.cached_bytes -= it->first;
-      stats_.held_bytes -= it->first;
-      idle.erase(it);
-    }
+  reap_pending_locked();
+  std::vector<std::pair<int64_t, int64_t>> idle;  // (size, id)
+  for (const auto& [id, slab] : slabs_) {
+    if (slab.free_bytes == slab.buffer.numel()) idle.emplace_back(slab.buffer.numel(), id);
+  }
+  std::sort(idle.rbegin(), idle.rend());
+  for (const auto& [size, id] : idle) {
+    if (stats_.held_bytes <= target_bytes) break;
+    slabs_.erase(id);
+    stats_.held_bytes -= size;
+    stats_.cached_bytes -= size;
+    stats_.slabs -= 1;
   }
 }
 
@@ -166,10 +284,10 @@ void HostPool::set_max_bytes(int64_t max_bytes) {
 void HostPool::empty_cache() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    trim_locked(stats_.in_use_bytes);
+    trim_locked(0);
   }
-  // Our pinned buffers come from the accelerator's caching host allocator,
-  // which keeps freed blocks cached; hand them back to the system too.
+  // Pinned slabs come from the accelerator's caching host allocator, which keeps freed blocks cached; hand them
+  // back to the system too.
   if (const auto accelerator = at::getAccelerator(/*checked=*/false)) {
     if (auto* host = at::getHostAllocator(*accelerator)) {
       host->empty_cache();

@@ -30,7 +30,12 @@ struct OffloadRecord {
   int64_t end = 0;
   int64_t source_align = 0;  // address of the span's first byte modulo kSpanAlignment
   int64_t pad = 0;  // where the span starts inside the block of the current restore (prefetched or restored)
+  // Where the bytes are: a host loan (with its share of the host budget), or a spill file.
+  HostLease lease;
   HostBlock host;
+  std::shared_ptr<SpillStore> store;  // set iff spilled; kept so a restore can read after the scope is gone
+  std::shared_ptr<SpillFile> spill;
+  std::shared_ptr<SpillRead> spill_read;  // the read of the current restore, until unpack waits for it
   std::shared_ptr<c10::Event> d2h_done;  // null when the copy was synchronous
   // Restore state, guarded by `mutex`.
   at::Tensor prefetched;  // device bytes of a restore started ahead of its unpack
@@ -110,6 +115,8 @@ void count(OffloadStats& local, int64_t OffloadStats::*field, int64_t n) {
 void OffloadConfig::validate() const {
   TORCH_CHECK_VALUE(min_offload_size >= 0, "hsoffload: min_offload_size must be >= 0 bytes, got ", min_offload_size);
   TORCH_CHECK_VALUE(prefetch_depth >= 0, "hsoffload: prefetch_depth must be >= 0, got ", prefetch_depth);
+  TORCH_CHECK_VALUE(spill_prefetch_depth >= 0, "hsoffload: spill_prefetch_depth must be >= 0, got ",
+                    spill_prefetch_depth);
 }
 
 void OffloadStats::add(const OffloadStats& o) {
@@ -122,6 +129,10 @@ void OffloadStats::add(const OffloadStats& o) {
   restored_bytes += o.restored_bytes;
   prefetch_hits += o.prefetch_hits;
   wait_ns += o.wait_ns;
+  spilled_tensors += o.spilled_tensors;
+  spilled_bytes += o.spilled_bytes;
+  spill_read_wait_ns += o.spill_read_wait_ns;
+  kept_on_device_tensors += o.kept_on_device_tensors;
 }
 
 OffloadStats cumulative_stats() {
@@ -134,17 +145,22 @@ OffloadStats cumulative_stats() {
 // ---------------------------------------------------------------------------
 // OffloadScope
 
-std::shared_ptr<OffloadScope> OffloadScope::create(OffloadConfig config, std::shared_ptr<HostPool> pool) {
+std::shared_ptr<OffloadScope> OffloadScope::create(OffloadConfig config, std::shared_ptr<HostPool> pool,
+                                                   std::shared_ptr<HostBudget> budget) {
   config.validate();
-  TORCH_CHECK_VALUE(pool != nullptr, "hsoffload: OffloadScope needs a host pool");
-  std::shared_ptr<OffloadScope> scope(new OffloadScope(config, std::move(pool)));  // private ctor
+  TORCH_CHECK_VALUE(pool != nullptr && budget != nullptr, "hsoffload: OffloadScope needs a host pool and budget");
+  std::shared_ptr<OffloadScope> scope(new OffloadScope(config, std::move(pool), std::move(budget)));  // private ctor
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry_locked()[scope->id_] = scope;
   return scope;
 }
 
-OffloadScope::OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool)
-    : config_(config), pool_(std::move(pool)), id_(next_scope_id++), mutex_(std::make_shared<std::mutex>()) {}
+OffloadScope::OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool, std::shared_ptr<HostBudget> budget)
+    : config_(std::move(config)),
+      pool_(std::move(pool)),
+      budget_(std::move(budget)),
+      id_(next_scope_id++),
+      mutex_(std::make_shared<std::mutex>()) {}
 
 OffloadScope::~OffloadScope() {
   std::lock_guard<std::mutex> lock(registry_mutex());
@@ -159,6 +175,9 @@ std::shared_ptr<OffloadScope> OffloadScope::find(int64_t id) {
 }
 
 void OffloadScope::enter() {
+  // Checked at every entry (a directory can vanish between steps); raises naming the path before any state changes.
+  std::shared_ptr<SpillStore> store =
+      config_.spill_dir.empty() ? nullptr : SpillStore::open(config_.spill_dir, config_.pin_memory);
   {
     std::lock_guard<std::mutex> lock(*mutex_);
     TORCH_CHECK(!active_ || owner_ == std::this_thread::get_id(),
@@ -170,6 +189,8 @@ void OffloadScope::enter() {
     active_ = true;
     owner_ = std::this_thread::get_id();
     ++epoch_;
+    spill_ = std::move(store);
+    spill_errors_->take();  // an error from an earlier entry was raised there (or belongs to a failed step)
   }
   tls_scopes.push_back(shared_from_this());
 }
@@ -286,6 +307,15 @@ OffloadStats OffloadScope::stats() const {
   return s;
 }
 
+SpillStats OffloadScope::spill_stats() const {
+  std::shared_ptr<SpillStore> store;
+  {
+    std::lock_guard<std::mutex> lock(*mutex_);
+    store = spill_;
+  }
+  return store ? store->stats() : SpillStats{};
+}
+
 c10::Stream OffloadScope::side_stream_locked(c10::Device device, int which) {
   for (const auto& entry : streams_) {
     if (entry.first == device) {
@@ -315,6 +345,11 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
   auto handle = SavedHandle::passthrough(x);
   handle->scope_ = shared_from_this();
   std::lock_guard<std::mutex> lock(*mutex_);
+  if (spill_) {
+    // A spill write of this scope failed on an I/O thread since the last pack: fail the step here, in forward.
+    const std::string error = spill_errors_->take();
+    TORCH_CHECK(error.empty(), error);
+  }
   count(stats_, &OffloadStats::saved_tensors_seen, 1);
   const bool marked = x.defined() && !marks_.empty() && is_marked_locked(x);
   if (marked) {
@@ -340,6 +375,10 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
       }
       if (!record) {
         record = offload_locked(x, span.first, span.second);
+      }
+      if (!record) {
+        count(stats_, &OffloadStats::kept_on_device_tensors, 1);  // over the host budget, no spill tier
+        return handle;
       }
       handle->passthrough_ = at::Tensor();  // the record replaces the device tensor
       handle->record_ = std::move(record);
@@ -372,6 +411,12 @@ std::shared_ptr<OffloadRecord> OffloadScope::find_record_locked(const c10::Stora
 
 std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x, int64_t begin, int64_t end) {
   auto record = std::make_shared<OffloadRecord>();
+  const int64_t bytes = end - begin;
+  const bool in_budget = budget_->try_reserve((bytes + HostPool::kGranule - 1) / HostPool::kGranule *
+                                                  HostPool::kGranule, record->lease);
+  if (!in_budget && !spill_) {
+    return nullptr;
+  }
   record->seq = next_seq_++;
   record->epoch = epoch_;
   record->device = x.device();
@@ -384,37 +429,12 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
       static_cast<int64_t>(reinterpret_cast<uintptr_t>(x.storage().data_ptr().get()) % kSpanAlignment);
   record->mutex = mutex_;
   record->use_streams = config_.use_streams;
-  const int64_t bytes = end - begin;
-  const bool on_cpu = x.is_cpu();
-  const bool pinned = !on_cpu && config_.pin_memory;
-  record->host = pool_->acquire(bytes, pinned);
-  at::Tensor dst = record->host.view(bytes);
-  at::Tensor src = byte_view(x.storage(), x.device(), begin, end);
-  if (on_cpu) {
-    dst.copy_(src);
+  if (in_budget) {
+    copy_to_host_locked(*record, x);
   } else {
-    c10::impl::VirtualGuardImpl impl(x.device().type());
-    const c10::Stream compute = impl.getStream(x.device());  // current at pack time, never cached
-    c10::Stream copy_stream = compute;
-    if (config_.use_streams) {
-      copy_stream = side_stream_locked(x.device(), 0);
-      c10::Event produced(x.device().type());
-      produced.record(compute);
-      produced.block(copy_stream);  // the copy reads x only after the compute stream wrote it
-    }
-    {
-      c10::StreamGuard guard(copy_stream);
-      dst.copy_(src, /*non_blocking=*/pinned);
-    }
-    if (copy_stream != compute) {
-      // The device block must not be reused by the compute stream before the
-      // copy has read it: tell the allocator about the side-stream use, so
-      // that dropping the last reference frees it without a host block.
-      impl.recordDataPtrOnStream(x.storage().data_ptr(), copy_stream);
-    }
-    record->d2h_done = std::make_shared<c10::Event>(x.device().type());
-    record->d2h_done->record(copy_stream);
-    record->host.record_use(record->d2h_done);
+    spill_locked(*record, x);
+    count(stats_, &OffloadStats::spilled_tensors, 1);
+    count(stats_, &OffloadStats::spilled_bytes, bytes);
   }
   maybe_prune_locked();
   records_.push_back(record);
@@ -422,6 +442,64 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
   count(stats_, &OffloadStats::offloaded_tensors, 1);
   count(stats_, &OffloadStats::offloaded_bytes, bytes);
   return record;
+}
+
+void OffloadScope::copy_to_host_locked(OffloadRecord& record, const at::Tensor& x) {
+  const int64_t bytes = record.bytes();
+  const bool on_cpu = x.is_cpu();
+  const bool pinned = !on_cpu && config_.pin_memory;
+  record.host = pool_->acquire(bytes, pinned);
+  at::Tensor src = byte_view(x.storage(), x.device(), record.begin, record.end);
+  const auto copy_pieces = [&](bool non_blocking) {
+    int64_t offset = 0;
+    for (const at::Tensor& piece : record.host.pieces()) {
+      piece.copy_(src.narrow(0, offset, piece.numel()), non_blocking);
+      offset += piece.numel();
+    }
+  };
+  if (on_cpu) {
+    copy_pieces(false);
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(x.device().type());
+  const c10::Stream compute = impl.getStream(x.device());  // current at pack time, never cached
+  c10::Stream copy_stream = compute;
+  if (config_.use_streams) {
+    copy_stream = side_stream_locked(x.device(), 0);
+    c10::Event produced(x.device().type());
+    produced.record(compute);
+    produced.block(copy_stream);  // the copy reads x only after the compute stream wrote it
+  }
+  {
+    c10::StreamGuard guard(copy_stream);
+    copy_pieces(/*non_blocking=*/pinned);
+  }
+  if (copy_stream != compute) {
+    // The device block must not be reused by the compute stream before the
+    // copy has read it: tell the allocator about the side-stream use, so
+    // that dropping the last reference frees it without a host block.
+    impl.recordDataPtrOnStream(x.storage().data_ptr(), copy_stream);
+  }
+  record.d2h_done = std::make_shared<c10::Event>(x.device().type());
+  record.d2h_done->record(copy_stream);
+  record.host.record_use(record.d2h_done);
+}
+
+void OffloadScope::spill_locked(OffloadRecord& record, const at::Tensor& x) {
+  // The I/O thread holds the device bytes until it has copied them to staging, so no allocator bookkeeping is
+  // needed; it waits for `produced` on the copy stream before reading them.
+  at::Tensor src = byte_view(x.storage(), x.device(), record.begin, record.end);
+  std::shared_ptr<c10::Event> produced;
+  std::optional<c10::Stream> copy_stream;
+  if (!x.is_cpu()) {
+    c10::impl::VirtualGuardImpl impl(x.device().type());
+    const c10::Stream compute = impl.getStream(x.device());
+    copy_stream = config_.use_streams ? side_stream_locked(x.device(), 0) : compute;
+    produced = std::make_shared<c10::Event>(x.device().type());
+    produced->record(compute);
+  }
+  record.store = spill_;
+  record.spill = spill_->write(std::move(src), std::move(produced), copy_stream, spill_errors_);
 }
 
 void OffloadScope::start_restore_locked(OffloadRecord& record) {
@@ -443,17 +521,37 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
     record.pad = misalignment(block);
   }
   at::Tensor dev = block.narrow(0, record.pad, bytes);
-  at::Tensor src = record.host.view(bytes);
+  const auto copy_pieces = [&](bool non_blocking) {
+    int64_t offset = 0;
+    for (const at::Tensor& piece : record.host.pieces()) {
+      dev.narrow(0, offset, piece.numel()).copy_(piece, non_blocking);
+      offset += piece.numel();
+    }
+  };
+  record.prefetched = block;
+  record.h2d_done = nullptr;
   if (record.device.is_cpu()) {
-    dev.copy_(src);
-    record.prefetched = block;
-    record.h2d_done = nullptr;
+    if (record.spill) {
+      record.spill_read = record.store->read(record.spill, dev, nullptr, std::nullopt);
+    } else {
+      copy_pieces(false);
+    }
     return;
   }
   c10::impl::VirtualGuardImpl impl(record.device.type());
   const c10::Stream compute = impl.getStream(record.device);
   record.alloc_stream = compute;
   c10::Stream copy_stream = compute;
+  if (record.spill) {
+    // The I/O thread copies into `dev` on the copy stream once the allocation point has passed; unpack waits for
+    // the read and then for its event.
+    auto allocated = std::make_shared<c10::Event>(record.device.type());
+    allocated->record(compute);
+    record.spill_read =
+        record.store->read(record.spill, dev, std::move(allocated),
+                           record.use_streams ? side_stream_locked(record.device, 1) : compute);
+    return;
+  }
   if (record.use_streams) {
     copy_stream = side_stream_locked(record.device, 1);
     c10::Event allocated(record.device.type());
@@ -465,7 +563,7 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
   }
   {
     c10::StreamGuard guard(copy_stream);
-    dev.copy_(src, /*non_blocking=*/record.host.pinned());
+    copy_pieces(/*non_blocking=*/record.host.pinned());
   }
   if (copy_stream != compute) {
     impl.recordDataPtrOnStream(dev.storage().data_ptr(), copy_stream);
@@ -473,18 +571,25 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
   record.h2d_done = std::make_shared<c10::Event>(record.device.type());
   record.h2d_done->record(copy_stream);
   record.host.record_use(record.h2d_done);
-  record.prefetched = block;
 }
 
 void OffloadScope::prefetch_before_locked(int64_t seq, int64_t epoch) {
-  int64_t issued = 0;
-  for (auto it = records_.rbegin(); it != records_.rend() && issued < config_.prefetch_depth; ++it) {
+  // Host copies come back prefetch_depth ahead; spilled ones, slower to read, spill_prefetch_depth ahead.
+  int64_t host_issued = 0, spill_issued = 0;
+  for (auto it = records_.rbegin();
+       it != records_.rend() &&
+       (host_issued < config_.prefetch_depth || spill_issued < config_.spill_prefetch_depth);
+       ++it) {
     auto record = it->lock();
     if (!record || record->seq >= seq) {
       continue;
     }
     if (record->epoch != epoch) {
       break;  // records are in pack order: everything before belongs to an earlier entry
+    }
+    int64_t& issued = record->spill ? spill_issued : host_issued;
+    if (issued >= (record->spill ? config_.spill_prefetch_depth : config_.prefetch_depth)) {
+      continue;
     }
     ++issued;
     if (record->prefetched.defined() || !record->restored.expired()) {
@@ -509,11 +614,19 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
     }
     dev = std::move(record.prefetched);
     record.prefetched = at::Tensor();
+    if (record.spill_read) {
+      // Raises (naming spill_dir) if the write or the read failed; nothing of this restore is kept then.
+      const auto w0 = std::chrono::steady_clock::now();
+      const auto read = std::move(record.spill_read);
+      record.h2d_done = read->wait();
+      count(stats_, &OffloadStats::spill_read_wait_ns,
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - w0).count());
+    }
     record.restored = dev.storage().getWeakStorageImpl();
     count(stats_, hit ? &OffloadStats::prefetch_hits : &OffloadStats::wait_ns,
           hit ? 1 : std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
     count(stats_, &OffloadStats::restored_bytes, record.bytes());
-    if (config_.prefetch_depth > 0) {
+    if (config_.prefetch_depth > 0 || config_.spill_prefetch_depth > 0) {
       prefetch_before_locked(record.seq, record.epoch);
     }
   }

@@ -24,12 +24,15 @@ struct HandleBox {
 void delete_handle_box(void* box) { delete static_cast<HandleBox*>(box); }  // DataPtr's deleter owns the box
 
 std::vector<int64_t> to_list(const OffloadStats& s) {
-  return {s.saved_tensors_seen, s.marked_tensors,  s.offloaded_tensors, s.restored_tensors, s.skipped_marked_tensors,
-          s.offloaded_bytes,    s.restored_bytes,  s.prefetch_hits,     s.wait_ns,          s.pool_bytes};
+  return {s.saved_tensors_seen, s.marked_tensors,     s.offloaded_tensors,  s.restored_tensors,
+          s.skipped_marked_tensors, s.offloaded_bytes, s.restored_bytes,     s.prefetch_hits,
+          s.wait_ns,            s.pool_bytes,         s.spilled_tensors,    s.spilled_bytes,
+          s.spill_read_wait_ns, s.kept_on_device_tensors};
 }
 
 std::vector<int64_t> to_list(const PoolStats& s) {
-  return {s.held_bytes, s.in_use_bytes, s.cached_bytes, s.peak_held_bytes, s.allocations, s.reuses, s.unpooled};
+  return {s.held_bytes, s.in_use_bytes, s.cached_bytes, s.peak_held_bytes, s.allocations,
+          s.reuses,     s.unpooled,     s.acquires,     s.slabs};
 }
 
 }  // namespace
@@ -86,8 +89,11 @@ at::Tensor offload_unpack(const at::Tensor& handle) {
 }
 
 c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
-                                                  bool use_streams, int64_t prefetch_depth) {
+                                                  bool use_streams, int64_t prefetch_depth, std::string spill_dir,
+                                                  int64_t spill_prefetch_depth) {
   OffloadConfig config;
+  config.spill_dir = std::move(spill_dir);
+  config.spill_prefetch_depth = spill_prefetch_depth;
   config.min_offload_size = min_offload_size;
   config.offload_cpu_tensors = offload_cpu_tensors;
   config.pin_memory = pin_memory;
@@ -107,6 +113,23 @@ bool is_marked(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Ten
 
 std::vector<int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self) {
   return to_list(self->scope->stats());
+}
+
+std::vector<int64_t> scope_spill_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self) {
+  const SpillStats s = self->scope->spill_stats();
+  return {s.bytes_written, s.bytes_read, s.write_ns, s.read_ns, s.files, s.direct_io ? 1 : 0};
+}
+
+void set_host_budget(int64_t max_bytes) {
+  TORCH_CHECK_VALUE(max_bytes >= -1, "set_host_budget: max_bytes must be >= 0 bytes, or -1 for auto (80% of "
+                    "MemAvailable / LOCAL_WORLD_SIZE), got ", max_bytes);
+  global_host_budget()->set_limit(max_bytes);
+}
+
+std::vector<int64_t> host_budget() {
+  const BudgetStats s = global_host_budget()->stats();
+  return {s.limit, s.in_flight, s.peak, s.refused, s.is_auto ? 1 : 0, s.auto_figures.mem_available,
+          s.auto_figures.local_world_size};
 }
 
 std::vector<int64_t> process_stats() { return to_list(cumulative_stats()); }

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace hsoffload::ops {
@@ -17,8 +18,12 @@ at::Tensor offload_pack(const at::Tensor& x, int64_t scope);
 at::Tensor offload_unpack(const at::Tensor& handle);
 
 c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
-                                                  bool use_streams, int64_t prefetch_depth);
+                                                  bool use_streams, int64_t prefetch_depth, std::string spill_dir,
+                                                  int64_t spill_prefetch_depth);
 std::vector<int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
+std::vector<int64_t> scope_spill_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
+void set_host_budget(int64_t max_bytes);
+std::vector<int64_t> host_budget();
 void mark_in(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x);
 bool is_marked(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x);
 std::vector<int64_t> process_stats();

@@ -13,7 +13,8 @@ namespace {
 // `hsoffload.OffloadStats` in Python.
 constexpr const char* kStatsDoc =
     "saved_tensors_seen, marked_tensors, offloaded_tensors, restored_tensors, skipped_marked_tensors, "
-    "offloaded_bytes, restored_bytes, prefetch_hits, wait_ns, pool_bytes";
+    "offloaded_bytes, restored_bytes, prefetch_hits, wait_ns, pool_bytes, spilled_tensors, spilled_bytes, "
+    "spill_read_wait_ns, kept_on_device_tensors";
 
 }  // namespace
 
@@ -23,7 +24,8 @@ TORCH_LIBRARY(hsoffload, m) {
   m.class_<OffloadScopeHolder>("OffloadScope")
       .def(torch::init(&make_scope), kStatsDoc,
            {torch::arg("min_offload_size") = 1024, torch::arg("offload_cpu_tensors") = false,
-            torch::arg("pin_memory") = true, torch::arg("use_streams") = true, torch::arg("prefetch_depth") = 1})
+            torch::arg("pin_memory") = true, torch::arg("use_streams") = true, torch::arg("prefetch_depth") = 1,
+            torch::arg("spill_dir") = "", torch::arg("spill_prefetch_depth") = 2})
       .def("enter", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->enter(); })
       .def("exit", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->exit(); })
       .def("active", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->active(); })
@@ -33,13 +35,19 @@ TORCH_LIBRARY(hsoffload, m) {
       .def("is_marked",
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x) { return is_marked(self, x); })
       .def("stats", &scope_stats)
+      // bytes_written, bytes_read, write_ns, read_ns, files (open now), direct_io of the scope's spill store.
+      .def("spill_stats", &scope_spill_stats)
       .def("tracked_state",
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->tracked_state(); })
       .def_static("process_stats", &process_stats)
       .def_static("pool_stats", &pool_stats)
       .def_static("set_pool_limit", &set_pool_limit)
       .def_static("pool_limit", &pool_limit)
-      .def_static("empty_pool", &empty_pool);
+      .def_static("empty_pool", &empty_pool)
+      // The process-wide host budget: bytes >= 0, or -1 for auto (80% of MemAvailable / LOCAL_WORLD_SIZE).
+      .def_static("set_host_budget", &set_host_budget)
+      // limit, in_flight, peak, refused, is_auto, mem_available, local_world_size (auto resolved at first call).
+      .def_static("host_budget", &host_budget);
 
   // Returns x itself; marks x for offload when autograd saves it while an
   // offload scope is active on this thread (no-op without one).

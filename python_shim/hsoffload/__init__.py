@@ -23,20 +23,26 @@ def _ensure_loaded() -> None:
 _ensure_loaded()
 
 from .scope import (  # noqa: E402  (the ops must be registered first)
+    BudgetStats,
     OffloadConfig,
     OffloadScope,
     OffloadStats,
     PoolStats,
     cumulative_stats,
     empty_pool,
+    budget_stats,
     mark_hidden_state,
     pool_stats,
+    set_host_budget,
 )
 from .patch import check_model, is_patched, offload_hidden_states, patch, unpatch  # noqa: E402
 from . import fsdp  # noqa: E402  (FSDP RAM-efficient loading: hsoffload.fsdp.patch())
 from .fsdp import patch_initialize_missing_keys_for_fsdp  # noqa: E402
 
 __all__ = [
+    "BudgetStats",
+    "budget_stats",
+    "set_host_budget",
     "OffloadConfig",
     "check_model",
     "is_patched",

@@ -10,6 +10,10 @@ In the Axolotl YAML::
     hsoffload_min_offload_size: 1024      # bytes; smaller marked tensors stay on the device
     hsoffload_prefetch_depth: 1           # restores issued ahead of their use in backward
     hsoffload_max_pool_bytes: null        # cap of the pinned host pool (null: unbounded)
+    hsoffload_max_host_bytes: auto        # offloaded bytes in host RAM at once ("64GiB", bytes, or auto:
+                                          # 80% of MemAvailable / LOCAL_WORLD_SIZE)
+    hsoffload_spill_dir: null             # local directory for what exceeds it (null: it stays on the GPU)
+    hsoffload_spill_prefetch_depth: 2     # spilled tensors read back ahead of their use
     hsoffload_use_streams: true           # copies on side streams
     hsoffload_offload_cpu_tensors: false  # also copy CPU tensors (CPU smoke runs; no benefit otherwise)
 
@@ -27,13 +31,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.utils.checkpoint
 
 from .integrations.trainer import enable_hidden_state_offload
 from .patch import patch
-from .scope import OffloadConfig
+from .scope import OffloadConfig, parse_bytes
 
 logger = logging.getLogger("hsoffload")
 
@@ -54,12 +58,15 @@ KEYS: dict[str, tuple[type, str]] = {
     "hsoffload_min_offload_size": (int, "an int >= 0 (bytes)"),
     "hsoffload_prefetch_depth": (int, "an int >= 0"),
     "hsoffload_max_pool_bytes": (int, "null or an int >= 0 (bytes)"),
+    "hsoffload_max_host_bytes": (str, "auto, an int >= 0 (bytes) or a size such as 64GiB"),
+    "hsoffload_spill_dir": (str, "null or a directory path"),
+    "hsoffload_spill_prefetch_depth": (int, "an int >= 0"),
     "hsoffload_use_streams": (bool, "true or false"),
     "hsoffload_offload_cpu_tensors": (bool, "true or false"),
 }
 
 try:
-    from pydantic import BaseModel, Field, StrictBool, StrictInt
+    from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
     class HsOffloadArgs(BaseModel):
         """Axolotl config keys read by `HsOffloadPlugin` (merged into Axolotl's config schema)."""
@@ -67,6 +74,9 @@ try:
         hsoffload_min_offload_size: Optional[StrictInt] = Field(default=None, ge=0)
         hsoffload_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
         hsoffload_max_pool_bytes: Optional[StrictInt] = Field(default=None, ge=0)
+        hsoffload_max_host_bytes: Optional[Union[StrictInt, StrictStr]] = None
+        hsoffload_spill_dir: Optional[StrictStr] = None
+        hsoffload_spill_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
         hsoffload_use_streams: Optional[StrictBool] = None
         hsoffload_offload_cpu_tensors: Optional[StrictBool] = None
 
@@ -95,9 +105,18 @@ def validate_config(cfg: Any) -> None:
         value = _cfg_get(cfg, key)
         if value is None:
             continue
-        ok = isinstance(value, bool) if kind is bool else (
-            isinstance(value, int) and not isinstance(value, bool) and value >= 0
-        )
+        if key == "hsoffload_max_host_bytes":
+            try:
+                parse_bytes(value, key)
+                ok = True
+            except ValueError:
+                ok = False
+        elif kind is str:
+            ok = isinstance(value, str) and bool(value)
+        else:
+            ok = isinstance(value, bool) if kind is bool else (
+                isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            )
         if not ok:
             raise ValueError(f"hsoffload plugin: {key}: {value!r} is not allowed; expected {allowed}")
 
@@ -133,6 +152,9 @@ def offload_config(cfg: Any) -> OffloadConfig:
         "max_pool_bytes": _cfg_get(cfg, "hsoffload_max_pool_bytes"),
         "use_streams": _cfg_get(cfg, "hsoffload_use_streams"),
         "offload_cpu_tensors": _cfg_get(cfg, "hsoffload_offload_cpu_tensors"),
+        "max_host_bytes": _cfg_get(cfg, "hsoffload_max_host_bytes"),
+        "spill_dir": _cfg_get(cfg, "hsoffload_spill_dir"),
+        "spill_prefetch_depth": _cfg_get(cfg, "hsoffload_spill_prefetch_depth"),
     }
     return OffloadConfig(**{k: v for k, v in values.items() if v is not None})
 

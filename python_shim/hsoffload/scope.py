@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
 import threading
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -25,6 +27,10 @@ _STAT_FIELDS = (
     "prefetch_hits",
     "wait_ns",
     "pool_bytes",
+    "spilled_tensors",
+    "spilled_bytes",
+    "spill_read_wait_ns",
+    "kept_on_device_tensors",
 )
 # Python-side mirror of the engine's per-thread scope stack, so the transformers
 # patch can ask "is a scope active on this thread?" without a dispatcher call.
@@ -37,7 +43,17 @@ def current_scope() -> Optional["OffloadScope"]:
     return stack[-1] if stack else None
 
 
-_POOL_FIELDS = ("held_bytes", "in_use_bytes", "cached_bytes", "peak_held_bytes", "allocations", "reuses", "unpooled")
+_POOL_FIELDS = (
+    "held_bytes",
+    "in_use_bytes",
+    "cached_bytes",
+    "peak_held_bytes",
+    "allocations",
+    "reuses",
+    "unpooled",
+    "acquires",
+    "slabs",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +70,10 @@ class OffloadStats:
     prefetch_hits: int = 0
     wait_ns: int = 0
     pool_bytes: int = 0
+    spilled_tensors: int = 0
+    spilled_bytes: int = 0
+    spill_read_wait_ns: int = 0
+    kept_on_device_tensors: int = 0
 
     @classmethod
     def from_list(cls, values: list[int]) -> "OffloadStats":
@@ -73,9 +93,54 @@ class PoolStats:
     in_use_bytes: int = 0
     cached_bytes: int = 0
     peak_held_bytes: int = 0
-    allocations: int = 0
-    reuses: int = 0
+    allocations: int = 0  # slabs (and unpooled buffers) obtained from the allocator
+    reuses: int = 0  # loans served by existing slabs
     unpooled: int = 0
+    acquires: int = 0  # loans made
+    slabs: int = 0  # slabs held now
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetStats:
+    """The process-wide host budget (`max_host_bytes`): offloaded bytes resident in host memory."""
+
+    limit: int = 0
+    in_flight: int = 0
+    peak: int = 0  # since the limit was last set
+    refused: int = 0  # packs that did not fit (spilled or kept on the device)
+    is_auto: bool = True
+    mem_available: int = 0  # what "auto" was computed from
+    local_world_size: int = 1
+
+
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: Union[int, str], what: str) -> Union[int, str]:
+    """`value` as an int of bytes, or "auto". Accepts ints and strings like "64GiB", "500MB", "1e9" is refused."""
+    if isinstance(value, bool):
+        raise ValueError(f"hsoffload: {what} must be bytes (an int or a string like '64GiB') or 'auto', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"hsoffload: {what} must be >= 0 bytes, got {value}")
+        return value
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return "auto"
+        m = _BYTES.match(value)
+        if m:
+            unit = m.group(2).lower()
+            base = 1024 if (m.group(3) or "").lower() == "ib" or not m.group(3) else 1000
+            return int(float(m.group(1)) * base ** " kmgt".index(unit or " "))
+    raise ValueError(f"hsoffload: {what} must be bytes (an int or a string like '64GiB') or 'auto', got {value!r}")
+
+
+def _env_max_host_bytes() -> Union[int, str]:
+    return parse_bytes(os.environ.get("HSOFFLOAD_MAX_HOST_BYTES", "auto"), "HSOFFLOAD_MAX_HOST_BYTES")
+
+
+def _env_spill_dir() -> Optional[str]:
+    return os.environ.get("HSOFFLOAD_SPILL_DIR") or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +153,20 @@ class OffloadConfig:
     use_streams: bool = True
     prefetch_depth: int = 1
     max_pool_bytes: Optional[int] = None  # process-wide host pool bound, applied when the scope is entered
+    # Process-wide bound of offloaded bytes in host memory, applied when the scope is entered: bytes, or "auto"
+    # (80 % of MemAvailable at first use / LOCAL_WORLD_SIZE). Default: $HSOFFLOAD_MAX_HOST_BYTES, else "auto".
+    max_host_bytes: Union[int, str] = dataclasses.field(default_factory=_env_max_host_bytes)
+    # Directory for packs over the host budget (None: they stay on the device). Default: $HSOFFLOAD_SPILL_DIR.
+    spill_dir: Optional[str] = dataclasses.field(default_factory=_env_spill_dir)
+    spill_prefetch_depth: int = 2  # spilled tensors read back ahead of their use in backward
 
     def __post_init__(self) -> None:
-        for name in ("min_offload_size", "prefetch_depth"):
+        object.__setattr__(self, "max_host_bytes", parse_bytes(self.max_host_bytes, "max_host_bytes"))
+        if self.spill_dir is not None:
+            if not isinstance(self.spill_dir, (str, os.PathLike)) or not str(self.spill_dir):
+                raise ValueError(f"hsoffload: spill_dir must be a directory path or None, got {self.spill_dir!r}")
+            object.__setattr__(self, "spill_dir", os.fspath(self.spill_dir))
+        for name in ("min_offload_size", "prefetch_depth", "spill_prefetch_depth"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"hsoffload: {name} must be a non-negative int, got {value!r}")
@@ -156,7 +232,13 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         self.config = config if config is not None else OffloadConfig(**kwargs)
         c = self.config
         self._scope = torch.classes.hsoffload.OffloadScope(
-            c.min_offload_size, c.offload_cpu_tensors, c.pin_memory, c.use_streams, c.prefetch_depth
+            c.min_offload_size,
+            c.offload_cpu_tensors,
+            c.pin_memory,
+            c.use_streams,
+            c.prefetch_depth,
+            c.spill_dir or "",
+            c.spill_prefetch_depth,
         )
         scope_id = int(self._scope.id())
         pack_op = torch.ops.hsoffload.offload_pack.default
@@ -181,6 +263,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         if self.config.max_pool_bytes is not None:
             # The host pool is process-wide: the bound applies from this entry on, to every scope.
             torch.classes.hsoffload.OffloadScope.set_pool_limit(self.config.max_pool_bytes)
+        _apply_host_budget(self.config.max_host_bytes)
         self._scope.enter()
         try:
             super().__enter__()
@@ -214,6 +297,16 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
 
     def _report_if_ineffective(self) -> None:
         stats = self.stats
+        if stats.kept_on_device_tensors > 0:
+            log_once(
+                "kept-on-device",
+                logging.WARNING,
+                "hsoffload: %d marked tensors stayed on the device because the host budget (max_host_bytes=%d "
+                "bytes) was full and no spill_dir is set. Set spill_dir (HSOFFLOAD_SPILL_DIR) to spill them to a "
+                "local disk, or raise max_host_bytes. See scope.stats.kept_on_device_tensors.",
+                stats.kept_on_device_tensors,
+                budget_stats().limit,
+            )
         if stats.skipped_marked_tensors > 0:
             log_once(
                 "skipped-marked",
@@ -255,6 +348,11 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
     @property
     def stats(self) -> OffloadStats:
         return OffloadStats.from_list(self._scope.stats())
+
+    def spill_stats(self) -> dict[str, int]:
+        """I/O counters of the spill store this scope writes to (all 0 without spill_dir)."""
+        names = ("bytes_written", "bytes_read", "write_ns", "read_ns", "files", "direct_io")
+        return dict(zip(names, (int(v) for v in self._scope.spill_stats())))
 
     def tracked_state(self) -> int:
         """Marks and host copies this scope still tracks (0 once graphs are freed)."""
@@ -298,3 +396,36 @@ def pool_stats() -> PoolStats:
 def empty_pool() -> None:
     """Free every idle host buffer of the pool."""
     torch.classes.hsoffload.OffloadScope.empty_pool()
+
+
+def budget_stats() -> BudgetStats:
+    """The process-wide host budget now (an "auto" limit is resolved by this call if it was not yet)."""
+    v = [int(x) for x in torch.classes.hsoffload.OffloadScope.host_budget()]
+    return BudgetStats(v[0], v[1], v[2], v[3], bool(v[4]), v[5], v[6])
+
+
+def set_host_budget(max_host_bytes: Union[int, str]) -> None:
+    """Set the process-wide host budget now: bytes, or "auto" (recomputed from MemAvailable now)."""
+    value = parse_bytes(max_host_bytes, "max_host_bytes")
+    torch.classes.hsoffload.OffloadScope.set_host_budget(-1 if value == "auto" else int(value))
+
+
+def _apply_host_budget(wanted: Union[int, str]) -> None:
+    """What a scope entry does with its max_host_bytes. "auto" keeps an auto limit resolved at first use (it is
+    not recomputed each step, when MemAvailable already excludes what we offloaded)."""
+    now = budget_stats()
+    if wanted == "auto":
+        if not now.is_auto:
+            set_host_budget("auto")
+            now = budget_stats()
+        log_once(
+            "auto-budget",
+            logging.INFO,
+            "hsoffload: host budget max_host_bytes=auto: %.2f GiB = 80%% of MemAvailable %.2f GiB / "
+            "LOCAL_WORLD_SIZE %d",
+            now.limit / 2**30,
+            now.mem_available / 2**30,
+            now.local_world_size,
+        )
+    elif now.is_auto or now.limit != wanted:
+        set_host_budget(wanted)

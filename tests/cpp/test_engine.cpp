@@ -1,5 +1,6 @@
 // C++ unit tests of the engine (no Python): host pool policy and scope
 // bookkeeping on CPU, with an injected allocator that counts allocations.
+#include "hsoffload/host_budget.h"
 #include "hsoffload/host_pool.h"
 #include "hsoffload/scope.h"
 
@@ -30,16 +31,20 @@ std::shared_ptr<HostPool> counting_pool(int64_t limit, int* allocs) {
   });
 }
 
-void test_rounding() {
-  EXPECT(HostPool::round_size(1) == 512);
-  EXPECT(HostPool::round_size(512) == 512);
-  EXPECT(HostPool::round_size(513) == 1024);
-  // Waste stays below 1/32 for large sizes.
-  for (int64_t n : {int64_t{100000}, int64_t{12345678}, int64_t{3} << 30}) {
-    const int64_t r = HostPool::round_size(n);
-    EXPECT(r >= n);
-    EXPECT((r - n) * 32 <= n + 512 * 32);
+void test_slab_size() {
+  EXPECT(HostPool::slab_size(0, 1) == HostPool::kMinSlab);
+  EXPECT(HostPool::slab_size(int64_t{8} << 30, 0) == int64_t{256} << 20);  // 1/32 of the total
+  EXPECT(HostPool::slab_size(int64_t{1} << 40, 0) == HostPool::kMaxSlab);
+  for (int64_t held : {int64_t{0}, int64_t{12345678}, int64_t{3} << 30}) {
+    const int64_t s = HostPool::slab_size(held, 1000);
+    EXPECT((s & (s - 1)) == 0);  // a power of two: no rounding in the accelerators' host allocators
   }
+}
+
+int64_t total(const hsoffload::HostBlock& b) {
+  int64_t n = 0;
+  for (const auto& p : b.pieces()) n += p.numel();
+  return n;
 }
 
 void test_reuse_and_stats() {
@@ -48,56 +53,104 @@ void test_reuse_and_stats() {
   {
     auto a = pool->acquire(10000, false);
     auto b = pool->acquire(10000, false);
-    EXPECT(a.capacity() >= 10000 && b.capacity() >= 10000);
-    EXPECT(pool->stats().in_use_bytes == a.capacity() + b.capacity());
+    EXPECT(total(a) == 10000 && total(b) == 10000 && a.bytes() == 10000);
+    EXPECT(allocs == 1);  // one slab serves both
+    EXPECT(pool->stats().in_use_bytes == 2 * 10240);
+    // The two loans do not overlap.
+    a.pieces()[0].fill_(1);
+    b.pieces()[0].fill_(2);
+    EXPECT(a.pieces()[0].eq(1).all().item<bool>());
   }
   EXPECT(pool->stats().in_use_bytes == 0);
   EXPECT(pool->stats().cached_bytes == pool->stats().held_bytes);
   {
-    auto a = pool->acquire(10000, false);
-    auto b = pool->acquire(9900, false);  // same rounded class: reused
-    EXPECT(allocs == 2);
-    EXPECT(pool->stats().reuses == 2);
+    auto a = pool->acquire(600, false);
+    auto b = pool->acquire(900000, false);
+    EXPECT(allocs == 1);
+    EXPECT(pool->stats().reuses == 3 && pool->stats().acquires == 4);  // only the first needed a slab
   }
-  // A much smaller request does not take a big buffer, and evicts one idle buffer.
+}
+
+void test_multi_extent_and_coalescing() {
+  int allocs = 0;
+  auto pool = counting_pool(int64_t{1} << 30, &allocs);
+  const int64_t slab = HostPool::kMinSlab;
+  std::vector<hsoffload::HostBlock> quarters;
+  for (int i = 0; i < 4; ++i) quarters.push_back(pool->acquire(slab / 4, false));
+  EXPECT(allocs == 1);
+  // Free the 1st and 3rd quarter: 1/2 slab free, no contiguous half. A half-slab loan takes two extents.
+  quarters[0] = hsoffload::HostBlock();
+  quarters[2] = hsoffload::HostBlock();
   {
-    auto small = pool->acquire(600, false);
-    EXPECT(allocs == 3);
-    EXPECT(pool->stats().held_bytes == HostPool::round_size(10000) + HostPool::round_size(600));
+    auto half = pool->acquire(slab / 2, false);
+    EXPECT(allocs == 1);
+    EXPECT(half.pieces().size() == 2 && total(half) == slab / 2);
   }
+  // Everything back: the ranges coalesce into one, so a whole-slab loan is one extent.
+  quarters.clear();
+  auto whole = pool->acquire(slab, false);
+  EXPECT(allocs == 1 && whole.pieces().size() == 1);
+  // Nothing free: new slabs for the whole request, the remainder in one of the smallest size.
+  auto more = pool->acquire(slab + 4096, false);
+  EXPECT(total(more) == slab + 4096 && more.pieces().size() == 2);
+  EXPECT(pool->stats().held_bytes == 3 * slab);
 }
 
 void test_converges_with_changing_sizes() {
   int allocs = 0;
-  auto pool = counting_pool(int64_t{1} << 30, &allocs);
+  auto pool = counting_pool(int64_t{1} << 34, &allocs);
   const int layers = 8;
   int64_t peak_in_flight = 0;
-  for (int64_t seq : {1000, 1500, 900, 2000, 2000, 1200}) {
-    std::vector<hsoffload::HostBlock> step;
+  uint32_t seed = 12345;
+  int64_t acquires_after_first = 0, reuses_after_first = 0;
+  for (int step = 0; step < 100; ++step) {
+    seed = seed * 1103515245u + 12345u;
+    const int64_t seq = 4096 + (seed >> 8) % 4096;  // uniform in [L/2, L)
+    if (step == 1) {
+      acquires_after_first = pool->stats().acquires;
+      reuses_after_first = pool->stats().reuses;
+    }
+    std::vector<hsoffload::HostBlock> step_blocks;
     int64_t in_flight = 0;
     for (int i = 0; i < layers; ++i) {
-      step.push_back(pool->acquire(seq * 4096, false));
-      in_flight += seq * 4096;
+      step_blocks.push_back(pool->acquire(seq * 8192, false));
+      in_flight += seq * 8192;
     }
     peak_in_flight = std::max(peak_in_flight, in_flight);
   }
   const auto s = pool->stats();
-  // Held never exceeds the largest working set by more than rounding.
   EXPECT(s.peak_held_bytes * 100 <= peak_in_flight * 105);
+  const int64_t later = s.acquires - acquires_after_first;
+  EXPECT((s.reuses - reuses_after_first) * 100 >= later * 95);
 }
 
 void test_limit() {
   int allocs = 0;
-  auto pool = counting_pool(4096, &allocs);
+  auto pool = counting_pool(HostPool::kMinSlab, &allocs);
   auto a = pool->acquire(3000, false);
-  auto b = pool->acquire(3000, false);  // over the limit: unpooled
+  auto b = pool->acquire(HostPool::kMinSlab, false);  // over the limit: unpooled
   EXPECT(pool->stats().unpooled == 1);
-  EXPECT(pool->stats().held_bytes <= 4096);
+  EXPECT(pool->stats().held_bytes <= HostPool::kMinSlab);
   b = hsoffload::HostBlock();
-  EXPECT(pool->stats().held_bytes <= 4096);
-  pool->set_max_bytes(0);
+  EXPECT(pool->stats().held_bytes <= HostPool::kMinSlab);
+  pool->set_max_bytes(0);  // `a` is still lent: its slab stays
+  EXPECT(pool->stats().held_bytes == HostPool::kMinSlab);
   a = hsoffload::HostBlock();
   EXPECT(pool->stats().held_bytes == 0);
+}
+
+void test_budget() {
+  auto budget = hsoffload::HostBudget::create(1000);
+  hsoffload::HostLease a, b, c;
+  EXPECT(budget->try_reserve(600, a));
+  EXPECT(!budget->try_reserve(600, b));
+  EXPECT(budget->try_reserve(400, c));
+  EXPECT(budget->stats().in_flight == 1000 && budget->stats().refused == 1);
+  a = hsoffload::HostLease();
+  EXPECT(budget->stats().in_flight == 400 && budget->stats().peak == 1000);
+  auto automatic = hsoffload::HostBudget::create(-1);
+  const auto s = automatic->stats();
+  EXPECT(s.is_auto && s.limit > 0 && s.limit <= s.auto_figures.mem_available);
 }
 
 void test_scope_roundtrip() {
@@ -106,7 +159,7 @@ void test_scope_roundtrip() {
   hsoffload::OffloadConfig config;
   config.offload_cpu_tensors = true;
   config.min_offload_size = 0;
-  auto scope = hsoffload::OffloadScope::create(config, pool);
+  auto scope = hsoffload::OffloadScope::create(config, pool, hsoffload::HostBudget::create(int64_t{1} << 30));
   scope->enter();
   EXPECT(hsoffload::OffloadScope::current() == scope);
   at::Tensor x = at::randn({16, 8}).slice(1, 2);
@@ -146,10 +199,12 @@ void test_version_check() {
 }  // namespace
 
 int main() {
-  test_rounding();
+  test_slab_size();
   test_reuse_and_stats();
+  test_multi_extent_and_coalescing();
   test_converges_with_changing_sizes();
   test_limit();
+  test_budget();
   test_scope_roundtrip();
   test_version_check();
   if (failures) {

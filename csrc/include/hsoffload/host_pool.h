@@ -1,20 +1,30 @@
-// Host memory pool for offloaded tensors.
+// Host memory pool for offloaded tensors: slabs, sub-allocated.
+//
+// Host memory is obtained in large slabs whose sizes are powers of two (the
+// accelerators' caching host allocators round every request up to a power of
+// two, so a power-of-two slab wastes nothing there) and sub-allocated in
+// 512-byte granules. A loan (HostBlock) is one or more extents: one when a
+// free range is large enough, several when the request is larger than any
+// free range, so sizes that change from step to step reuse the space freed by
+// the previous step instead of needing new buffers. Returned extents are
+// coalesced with their free neighbours; an extent whose last device use has
+// not completed is kept aside until its event completes.
 //
 // Thread-safety: every public method of HostPool may be called from any
-// thread; one mutex guards the free list and the counters. HostBlock is not
-// shared between threads without external synchronisation (the engine only
-// touches a block under its scope's mutex).
+// thread; one mutex guards the slabs, the free ranges and the counters. A
+// HostBlock is not shared between threads without external synchronisation
+// (the engine only touches a block under its scope's mutex).
 #pragma once
 
-#include <c10/core/Event.h>
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
+#include <vector>
 
 namespace hsoffload {
 
@@ -27,89 +37,106 @@ using HostAllocFn = std::function<at::Tensor(int64_t bytes, bool pinned)>;
 at::Tensor default_host_alloc(int64_t bytes, bool pinned);
 
 struct PoolStats {
-  int64_t held_bytes = 0;       // bytes of buffers the pool owns (in use + cached)
-  int64_t in_use_bytes = 0;     // bytes of buffers handed out and not yet returned
-  int64_t cached_bytes = 0;     // bytes of idle buffers kept for reuse
+  int64_t held_bytes = 0;       // bytes of slabs the pool owns (lent + free), plus unpooled loans
+  int64_t in_use_bytes = 0;     // bytes lent and not yet returned (granule-rounded)
+  int64_t cached_bytes = 0;     // free bytes in slabs, ready or waiting for a device event
   int64_t peak_held_bytes = 0;  // high-water mark of held_bytes
-  int64_t allocations = 0;      // buffers obtained from the allocator
-  int64_t reuses = 0;           // requests served from the cache
-  int64_t unpooled = 0;         // requests served outside the byte limit
+  int64_t allocations = 0;      // buffers obtained from the allocator (slabs and unpooled loans)
+  int64_t reuses = 0;           // loans served from existing slabs without a new allocation
+  int64_t unpooled = 0;         // loans served outside the byte limit (a buffer freed on return)
+  int64_t acquires = 0;         // loans made
+  int64_t slabs = 0;            // slabs held now
 };
 
 class HostPool;
 
-// One host buffer on loan from a HostPool. Returned to the pool when destroyed.
-// Move-only: exactly one owner can return the buffer.
+// One loan of host memory from a HostPool: `bytes()` bytes in one or more
+// extents. Returned to the pool when destroyed. Move-only: exactly one owner
+// can return it.
 class HostBlock {
  public:
   HostBlock() = default;
   HostBlock(const HostBlock&) = delete;
   HostBlock& operator=(const HostBlock&) = delete;
-  HostBlock(HostBlock&&) noexcept = default;
+  HostBlock(HostBlock&& other) noexcept;
   HostBlock& operator=(HostBlock&& other) noexcept;
   ~HostBlock();
 
-  // The first `bytes` bytes of the buffer, as a uint8 tensor.
-  at::Tensor view(int64_t bytes) const;
-  // Size of the whole buffer in bytes (>= the requested size).
-  int64_t capacity() const { return buffer_.numel(); }
+  // The extents in order, as uint8 tensors; their sizes sum to bytes().
+  const std::vector<at::Tensor>& pieces() const { return pieces_; }
+  int64_t bytes() const { return bytes_; }
   bool pinned() const { return pinned_; }
-  bool valid() const { return buffer_.defined(); }
+  bool valid() const { return !pieces_.empty(); }
   // Records that device work ending at `event` (already recorded on its
-  // stream) reads or writes this buffer; the pool will not lend it again
-  // before the event completes. Shared so the caller can wait on it too.
+  // stream) reads or writes this loan; the pool will not lend its memory
+  // again before the event completes.
   void record_use(std::shared_ptr<c10::Event> event);
 
  private:
   friend class HostPool;
+  struct Extent {
+    int64_t slab = -1;  // slab id; -1: an unpooled buffer
+    int64_t offset = 0;
+    int64_t length = 0;  // granule-rounded
+  };
   void release();
-  at::Tensor buffer_;
+  std::vector<at::Tensor> pieces_;
+  std::vector<Extent> extents_;
+  int64_t bytes_ = 0;
   bool pinned_ = false;
-  bool pooled_ = false;
   std::shared_ptr<c10::Event> last_use_;
   std::weak_ptr<HostPool> pool_;
 };
 
-// A byte-bounded cache of host buffers that is reused across steps.
-//
-// Sizes are rounded up to a granule of 1/32 of the request's power of two
-// (at least 512 bytes), so the rounding waste is below 3.2%. A cached buffer
-// serves a request if it is at most 1/16 larger than the rounded request and no
-// device work on it is still pending. On a miss one idle buffer that could not
-// serve it is freed before a new one is allocated, so with changing sequence
-// lengths the pool converges to the current working set instead of growing.
+// A byte-bounded slab allocator of host memory, reused across steps.
 class HostPool : public std::enable_shared_from_this<HostPool> {
  public:
-  // `max_bytes` bounds held_bytes; requests beyond it are served by buffers that
-  // are freed on return instead of cached (counted in `unpooled`).
+  static constexpr int64_t kGranule = 512;
+  static constexpr int64_t kMinSlab = int64_t{1} << 20;
+  static constexpr int64_t kMaxSlab = int64_t{1} << 30;
+
+  // `max_bytes` bounds held_bytes; a loan that does not fit is served by a
+  // buffer of its own that is freed on return (counted in `unpooled`).
   static std::shared_ptr<HostPool> create(int64_t max_bytes, HostAllocFn alloc = default_host_alloc);
 
-  // Lends a buffer of at least `bytes` bytes.
+  // Lends `bytes` bytes of host memory (pinned or pageable).
   HostBlock acquire(int64_t bytes, bool pinned);
   PoolStats stats() const;
   int64_t max_bytes() const;
-  // Changes the bound; idle buffers above it are freed at once.
+  // Changes the bound; slabs with nothing lent above it are freed at once.
   void set_max_bytes(int64_t max_bytes);
-  // Frees every idle buffer.
+  // Frees every slab with nothing lent.
   void empty_cache();
-  // Rounded size the pool allocates for a request of `bytes`.
-  static int64_t round_size(int64_t bytes);
+  // Size of the slabs the pool allocates next when it holds `held` bytes and
+  // must find `need` more: a power of two near 1/32 of the total, so the
+  // last, partly used slab wastes at most about 3 %.
+  static int64_t slab_size(int64_t held, int64_t need);
 
  private:
   HostPool(int64_t max_bytes, HostAllocFn alloc);
   friend class HostBlock;
-  struct Idle {
+  struct Slab {
     at::Tensor buffer;
+    bool pinned = false;
+    std::map<int64_t, int64_t> free;  // offset -> length, coalesced
+    int64_t free_bytes = 0;
+  };
+  struct Pending {
+    std::vector<HostBlock::Extent> extents;
     std::shared_ptr<c10::Event> last_use;
   };
-  void give_back(at::Tensor buffer, bool pinned, bool pooled, std::shared_ptr<c10::Event> last_use);
+  void give_back(std::vector<HostBlock::Extent> extents, std::shared_ptr<c10::Event> last_use);
+  void free_extent_locked(const HostBlock::Extent& e);
+  void reap_pending_locked();
   void trim_locked(int64_t target_bytes);
+  void take_locked(Slab& slab, int64_t slab_id, int64_t offset, int64_t length, HostBlock& block);
 
   mutable std::mutex mutex_;
   int64_t max_bytes_;
   HostAllocFn alloc_;
-  // Idle buffers by capacity, separately for pinned and pageable memory.
-  std::multimap<int64_t, Idle> idle_[2];
+  std::map<int64_t, Slab> slabs_;  // by id
+  int64_t next_slab_id_ = 0;
+  std::vector<Pending> pending_;  // returned extents whose last device use may still run
   PoolStats stats_;
 };
 

@@ -11,7 +11,9 @@
 // *current* scopes is per thread (see `current_scope`).
 #pragma once
 
+#include "hsoffload/host_budget.h"
 #include "hsoffload/host_pool.h"
+#include "hsoffload/spill.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
@@ -23,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -42,6 +45,11 @@ struct OffloadConfig {
   bool use_streams = true;
   // How many offloaded tensors to bring back ahead of their unpack in backward.
   int64_t prefetch_depth = 1;
+  // Where packs that do not fit the host budget go ("": they stay on the
+  // device). Checked when the scope is entered.
+  std::string spill_dir;
+  // How many spilled tensors to read back ahead of their unpack in backward.
+  int64_t spill_prefetch_depth = 2;
 
   void validate() const;
 };
@@ -58,6 +66,10 @@ struct OffloadStats {
   int64_t prefetch_hits = 0;           // restores served by a prefetch issued earlier
   int64_t wait_ns = 0;                 // host time spent inside unpack for restores that were not prefetched
   int64_t pool_bytes = 0;              // host pool bytes held (snapshot when stats are read)
+  int64_t spilled_tensors = 0;         // offloaded tensors that went to spill_dir (over the host budget)
+  int64_t spilled_bytes = 0;           // their bytes (included in offloaded_bytes)
+  int64_t spill_read_wait_ns = 0;      // host time unpack waited for spilled tensors to be read back
+  int64_t kept_on_device_tensors = 0;  // marked tensors over the host budget with no spill_dir: left in place
 
   void add(const OffloadStats& other);
 };
@@ -106,13 +118,15 @@ class SavedHandle {
 // and the counters. Create with `OffloadScope::create`.
 class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
  public:
-  static std::shared_ptr<OffloadScope> create(OffloadConfig config, std::shared_ptr<HostPool> pool);
+  static std::shared_ptr<OffloadScope> create(OffloadConfig config, std::shared_ptr<HostPool> pool,
+                                              std::shared_ptr<HostBudget> budget = global_host_budget());
   ~OffloadScope();
   OffloadScope(const OffloadScope&) = delete;
   OffloadScope& operator=(const OffloadScope&) = delete;
 
   // Makes this scope the current one on the calling thread (scopes nest).
-  // Raises if this scope is active already: nest a new scope instead.
+  // Raises if this scope is active already: nest a new scope instead, and if
+  // spill_dir is set but is not a writable directory.
   void enter();
   // Removes this scope from the calling thread's stack and drops its marks,
   // prefetches and index. Handles still referenced by an autograd graph keep
@@ -129,6 +143,8 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // The pack hook: decides passthrough or offload and starts the copy.
   std::shared_ptr<SavedHandle> pack(const at::Tensor& x);
   OffloadStats stats() const;
+  // The counters of the spill store this scope writes to (zeros without spill_dir).
+  SpillStats spill_stats() const;
   const OffloadConfig& config() const { return config_; }
   // Number of marks and records currently tracked (for leak tests).
   int64_t tracked_state() const;
@@ -142,7 +158,7 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
 
  private:
   friend class SavedHandle;
-  OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool);
+  OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool, std::shared_ptr<HostBudget> budget);
   bool is_marked_locked(const at::Tensor& x);
   void prune_locked();
   void maybe_prune_locked();
@@ -151,10 +167,15 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   at::Tensor restore(const SavedHandle& handle);
   void prefetch_before_locked(int64_t seq, int64_t epoch);
   void start_restore_locked(OffloadRecord& record);
+  void copy_to_host_locked(OffloadRecord& record, const at::Tensor& x);
+  void spill_locked(OffloadRecord& record, const at::Tensor& x);
   c10::Stream side_stream_locked(c10::Device device, int which);
 
   const OffloadConfig config_;
   const std::shared_ptr<HostPool> pool_;
+  const std::shared_ptr<HostBudget> budget_;
+  std::shared_ptr<SpillStore> spill_;  // opened by enter() when config_.spill_dir is set
+  const std::shared_ptr<SpillErrors> spill_errors_ = std::make_shared<SpillErrors>();
   const int64_t id_;
   // Shared with this scope's records so a handle can restore after the scope object is gone.
   const std::shared_ptr<std::mutex> mutex_;

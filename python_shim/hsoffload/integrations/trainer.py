@@ -57,6 +57,10 @@ def offload_log_values(now: OffloadStats, since: OffloadStats) -> dict[str, floa
         "hsoffload/prefetch_hits": float(delta("prefetch_hits")),
         "hsoffload/wait_ms": delta("wait_ns") / 1e6,
         "hsoffload/pool_gib": now.pool_bytes / _GIB,
+        "hsoffload/spilled_gib": delta("spilled_bytes") / _GIB,
+        "hsoffload/spilled_tensors": float(delta("spilled_tensors")),
+        "hsoffload/spill_read_wait_ms": delta("spill_read_wait_ns") / 1e6,
+        "hsoffload/kept_on_device_tensors": float(delta("kept_on_device_tensors")),
     }
 
 

@@ -1,0 +1,86 @@
+// The host budget: a bound on the offloaded bytes that live in host memory at
+// once, shared by every scope of the process.
+//
+// A pack that would exceed it goes to the spill tier (when the scope has one)
+// or stays on the device; it never allocates host memory beyond the bound.
+// The default ("auto") is 80 % of the node's MemAvailable at first use,
+// divided by LOCAL_WORLD_SIZE (the ranks of one node share its RAM).
+//
+// Thread-safety: every method may be called from any thread; one mutex guards
+// the limit and the counters. A HostLease is owned by one record.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+namespace hsoffload {
+
+// What "auto" was computed from, for the log line that reports it.
+struct AutoBudget {
+  int64_t mem_available = 0;   // bytes, /proc/meminfo MemAvailable (0: unknown; then physical memory is used)
+  int64_t local_world_size = 1;  // LOCAL_WORLD_SIZE, 1 when unset or invalid
+  int64_t limit = 0;           // 0.8 * mem_available / local_world_size
+};
+// Reads the figures now.
+AutoBudget compute_auto_budget();
+
+struct BudgetStats {
+  int64_t limit = 0;       // bytes; resolved (never "auto")
+  int64_t in_flight = 0;   // bytes reserved by live records now
+  int64_t peak = 0;        // high-water mark of in_flight
+  int64_t refused = 0;     // reservations that did not fit
+  bool is_auto = true;     // the limit came from compute_auto_budget()
+  AutoBudget auto_figures; // valid when is_auto
+};
+
+class HostBudget;
+
+// Bytes reserved in a HostBudget; given back when destroyed. Move-only.
+class HostLease {
+ public:
+  HostLease() = default;
+  HostLease(const HostLease&) = delete;
+  HostLease& operator=(const HostLease&) = delete;
+  HostLease(HostLease&& other) noexcept;
+  HostLease& operator=(HostLease&& other) noexcept;
+  ~HostLease();
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  friend class HostBudget;
+  void release();
+  std::shared_ptr<HostBudget> budget_;
+  int64_t bytes_ = 0;
+};
+
+class HostBudget : public std::enable_shared_from_this<HostBudget> {
+ public:
+  // `limit` < 0: auto, resolved at first use.
+  static std::shared_ptr<HostBudget> create(int64_t limit);
+  // Reserves `bytes` if in_flight + bytes stays within the limit; otherwise
+  // returns false and `lease` is untouched.
+  bool try_reserve(int64_t bytes, HostLease& lease);
+  // Changes the limit (< 0: auto, recomputed now). Live leases are kept even
+  // if they exceed a lower limit; new ones must fit. Resets `peak` to the
+  // bytes in flight now and `refused` to 0.
+  void set_limit(int64_t limit);
+  // The counters; resolves an auto limit first.
+  BudgetStats stats();
+
+ private:
+  explicit HostBudget(int64_t limit);
+  friend class HostLease;
+  void give_back(int64_t bytes);
+  void resolve_locked();
+
+  std::mutex mutex_;
+  BudgetStats stats_;
+  bool resolved_ = false;
+};
+
+// The process-wide budget: one per process because the host RAM it bounds is
+// shared by every scope and thread; created on first use.
+std::shared_ptr<HostBudget> global_host_budget();
+
+}  // namespace hsoffload

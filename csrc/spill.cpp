@@ -1,0 +1,376 @@
+#include "hsoffload/spill.h"
+
+#include <ATen/DeviceAccelerator.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <utility>
+
+namespace hsoffload {
+
+namespace {
+
+constexpr int64_t kBlock = 4096;  // O_DIRECT alignment of buffers, offsets and lengths on every file system we meet
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// An anonymous file in `dir`; `direct` tells whether O_DIRECT took. -1 with errno set on failure.
+int open_anonymous(const std::string& dir, bool& direct) {
+  direct = true;
+  int fd = ::open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC | O_DIRECT, 0600);
+  if (fd < 0 && errno == EINVAL) {  // O_DIRECT refused (tmpfs), or no O_TMPFILE
+    direct = false;
+    fd = ::open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+  }
+  if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
+    // No O_TMPFILE here: a named file, unlinked at once (nothing is left if we die after this line).
+    std::string path = dir + "/.hsoffload-spill-XXXXXX";
+    std::vector<char> name(path.begin(), path.end());
+    name.push_back('\0');
+    fd = ::mkstemp(name.data());
+    if (fd >= 0) {
+      ::unlink(name.data());
+      const int flags = ::fcntl(fd, F_GETFL);
+      direct = flags >= 0 && ::fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
+    }
+  }
+  return fd;
+}
+
+int64_t free_bytes(int fd) {
+  struct statvfs s {};
+  return ::fstatvfs(fd, &s) == 0 ? static_cast<int64_t>(s.f_bavail) * static_cast<int64_t>(s.f_frsize) : -1;
+}
+
+// One 4096-aligned chunk of `bytes` inside a slightly larger buffer.
+at::Tensor aligned_chunk(int64_t bytes, bool pinned) {
+  at::Tensor raw =
+      at::empty({bytes + kBlock}, at::TensorOptions().dtype(at::kByte).device(at::kCPU).pinned_memory(pinned));
+  const auto addr = reinterpret_cast<uintptr_t>(raw.data_ptr());
+  const int64_t skip = static_cast<int64_t>((kBlock - addr % kBlock) % kBlock);
+  return raw.narrow(0, skip, bytes);
+}
+
+}  // namespace
+
+// One spilled tensor's file. The descriptor is closed (and the space freed) with the last reference: its record's,
+// or that of an I/O job still working on it.
+class SpillFile {
+ public:
+  SpillFile(int fd, int64_t bytes, bool direct, std::shared_ptr<SpillErrors> errors,
+            std::shared_ptr<std::atomic<int64_t>> open_files)
+      : fd_(fd), bytes_(bytes), direct_(direct), errors_(std::move(errors)), open_files_(std::move(open_files)) {
+    open_files_->fetch_add(1);
+  }
+  ~SpillFile() {
+    ::close(fd_);
+    open_files_->fetch_sub(1);
+  }
+  SpillFile(const SpillFile&) = delete;
+  SpillFile& operator=(const SpillFile&) = delete;
+
+  int fd() const { return fd_; }
+  int64_t bytes() const { return bytes_; }
+
+  // Writes or reads `len` bytes at `offset`, retrying short transfers and EINTR; falls back to buffered I/O if the
+  // file system refuses O_DIRECT at transfer time. Returns 0 or an errno.
+  int transfer(bool write, void* buf, int64_t len, int64_t offset) {
+    auto* p = static_cast<char*>(buf);
+    while (len > 0) {
+      const ssize_t n = write ? ::pwrite(fd_, p, len, offset) : ::pread(fd_, p, len, offset);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == EINVAL && direct_) {
+        direct_ = false;
+        const int flags = ::fcntl(fd_, F_GETFL);
+        if (flags >= 0 && ::fcntl(fd_, F_SETFL, flags & ~O_DIRECT) == 0) continue;
+      }
+      if (n < 0) return errno;
+      if (n == 0) return write ? ENOSPC : EIO;  // no progress: full, or a file shorter than written
+      p += n;
+      offset += n;
+      len -= n;
+    }
+    return 0;
+  }
+
+  std::mutex mutex;
+  bool written = false;           // the write finished (successfully or not)
+  std::string error;              // why the write failed ("" if it did not)
+  // Reads requested before the write finished; called with this file (they do not hold it: no cycle).
+  std::vector<std::function<void(const std::shared_ptr<SpillFile>&)>> after_write;
+
+  const std::shared_ptr<SpillErrors>& errors() const { return errors_; }
+
+ private:
+  int fd_;
+  int64_t bytes_;
+  bool direct_;
+  std::shared_ptr<SpillErrors> errors_;
+  std::shared_ptr<std::atomic<int64_t>> open_files_;  // the store's count, shared so a file may outlive the store
+};
+
+// ---------------------------------------------------------------------------
+
+void SpillErrors::set(const std::string& message) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (first_.empty()) first_ = message;
+}
+
+std::string SpillErrors::take() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::exchange(first_, std::string());
+}
+
+std::shared_ptr<c10::Event> SpillRead::wait() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [this] { return done_; });
+  TORCH_CHECK(error_.empty(), error_);
+  return done_event_;
+}
+
+// ---------------------------------------------------------------------------
+
+std::shared_ptr<SpillStore> SpillStore::open(const std::string& dir, bool pinned_staging) {
+  struct stat st {};
+  TORCH_CHECK_VALUE(!dir.empty(), "hsoffload: spill_dir is empty; pass a directory on a local disk");
+  TORCH_CHECK_VALUE(::stat(dir.c_str(), &st) == 0, "hsoffload: spill_dir '", dir, "' does not exist (",
+                    std::strerror(errno), "); create it, or pass an existing directory on a local disk");
+  TORCH_CHECK_VALUE(S_ISDIR(st.st_mode), "hsoffload: spill_dir '", dir,
+                    "' is not a directory; pass a directory (spill files are created inside it)");
+  bool direct = false;
+  const int probe = open_anonymous(dir, direct);
+  TORCH_CHECK_VALUE(probe >= 0, "hsoffload: spill_dir '", dir, "' is not writable (", std::strerror(errno),
+                    "); pass a directory this process can create files in");
+  ::close(probe);
+  // One store per directory, shared by the scopes that spill there, so a new scope per step does not start new
+  // threads and staging buffers. Weak entries: the store lives while a scope or a spilled record holds it.
+  static std::mutex registry_mutex;
+  static std::map<std::string, std::weak_ptr<SpillStore>> registry;
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto& slot = registry[dir];
+  if (auto existing = slot.lock()) {
+    return existing;
+  }
+  const bool pinned = pinned_staging && at::getAccelerator(/*checked=*/false).has_value();
+  std::shared_ptr<SpillStore> store(new SpillStore(dir, pinned));  // private ctor
+  store->stats_.direct_io = direct;
+  slot = store;
+  return store;
+}
+
+SpillStore::SpillStore(std::string dir, bool pinned_staging) : dir_(std::move(dir)) {
+  for (int64_t i = 0; i < kIoThreads; ++i) {
+    staging_.push_back(aligned_chunk(kChunkBytes, pinned_staging));
+  }
+  for (int64_t i = 0; i < kIoThreads; ++i) {
+    threads_.emplace_back([this, i] { worker(static_cast<int>(i)); });
+  }
+}
+
+SpillStore::~SpillStore() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+    queue_.clear();  // nobody holds a record of these files any more: their data is not needed
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void SpillStore::enqueue(Job job) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stop_) return;
+    queue_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+}
+
+void SpillStore::worker(int index) {
+  const at::Tensor staging = staging_[index];
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (stop_) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    job(staging);
+  }
+}
+
+std::string SpillStore::io_error(const char* what, int err, int64_t bytes, int fd) const {
+  const int64_t avail = free_bytes(fd);
+  std::string message = std::string("hsoffload: ") + what + " " + std::to_string(bytes) + " bytes in spill_dir '" +
+                        dir_ + "' failed: " + std::strerror(err) + " (errno " + std::to_string(err) + "); " +
+                        (avail >= 0 ? std::to_string(avail) : std::string("unknown")) +
+                        " bytes are free there. Free space in spill_dir, point spill_dir (HSOFFLOAD_SPILL_DIR) at a "
+                        "larger local disk, or raise max_host_bytes.";
+  return message;
+}
+
+std::shared_ptr<SpillFile> SpillStore::write(at::Tensor src, std::shared_ptr<c10::Event> produced,
+                                             std::optional<c10::Stream> copy_stream,
+                                             std::shared_ptr<SpillErrors> errors) {
+  TORCH_INTERNAL_ASSERT(src.scalar_type() == at::kByte && src.dim() == 1 && src.is_contiguous());
+  bool direct = false;
+  const int fd = open_anonymous(dir_, direct);
+  TORCH_CHECK(fd >= 0, "hsoffload: cannot create a spill file in spill_dir '", dir_, "': ", std::strerror(errno),
+              "; check that the directory still exists and is writable");
+  auto file = std::make_shared<SpillFile>(fd, src.numel(), direct, std::move(errors), open_files_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.direct_io = direct;
+  }
+  enqueue([this, file, src = std::move(src), produced = std::move(produced), copy_stream](
+              const at::Tensor& staging) mutable { run_write(file, std::move(src), produced, copy_stream, staging); });
+  return file;
+}
+
+void SpillStore::run_write(const std::shared_ptr<SpillFile>& file, at::Tensor src,
+                           const std::shared_ptr<c10::Event>& produced, const std::optional<c10::Stream>& copy_stream,
+                           const at::Tensor& staging) {
+  const int64_t t0 = now_ns();
+  const int64_t n = file->bytes();
+  std::string error;
+  auto* buf = static_cast<char*>(staging.data_ptr());
+  for (int64_t offset = 0; offset < n && error.empty(); offset += kChunkBytes) {
+    const int64_t len = std::min(kChunkBytes, n - offset);
+    try {
+      if (src.is_cpu()) {
+        std::memcpy(buf, static_cast<const char*>(src.data_ptr()) + offset, len);
+      } else {
+        TORCH_INTERNAL_ASSERT(copy_stream.has_value());
+        c10::StreamGuard guard(*copy_stream);
+        if (offset == 0 && produced) produced->block(*copy_stream);  // src is complete on its stream
+        staging.narrow(0, 0, len).copy_(src.narrow(0, offset, len), /*non_blocking=*/true);
+        c10::Event copied(src.device().type());
+        copied.record(*copy_stream);
+        copied.synchronize();  // this thread's wait, not the compute stream's
+      }
+    } catch (const std::exception& e) {
+      error = std::string("hsoffload: copying a saved tensor to the spill staging buffer failed: ") + e.what();
+      break;
+    }
+    const int64_t padded = round_up(len, kBlock);
+    std::memset(buf + len, 0, padded - len);
+    if (const int err = file->transfer(/*write=*/true, buf, padded, offset)) {
+      error = io_error("spilling a saved tensor of", err, n, file->fd());
+    }
+  }
+  src = at::Tensor();  // the device bytes are no longer needed
+  std::vector<std::function<void(const std::shared_ptr<SpillFile>&)>> reads;
+  {
+    std::lock_guard<std::mutex> lock(file->mutex);
+    file->written = true;
+    file->error = error;
+    reads.swap(file->after_write);
+  }
+  if (!error.empty()) {
+    if (file->errors()) file->errors()->set(error);
+    // Give the disk space back now rather than when the graph is freed: the data is lost anyway.
+    if (::ftruncate(file->fd(), 0) != 0) { /* the space is freed when the file is closed */ }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.write_ns += now_ns() - t0;
+    if (error.empty()) stats_.bytes_written += n;
+  }
+  for (auto& r : reads) r(file);
+}
+
+std::shared_ptr<SpillRead> SpillStore::read(std::shared_ptr<SpillFile> file, at::Tensor dst,
+                                            std::shared_ptr<c10::Event> allocated,
+                                            std::optional<c10::Stream> copy_stream) {
+  TORCH_INTERNAL_ASSERT(dst.scalar_type() == at::kByte && dst.numel() == file->bytes() && dst.is_contiguous());
+  auto read = std::make_shared<SpillRead>();
+  auto start = [this, dst = std::move(dst), allocated = std::move(allocated), copy_stream,
+                read](const std::shared_ptr<SpillFile>& f) {
+    enqueue([this, f, dst, allocated, copy_stream, read](const at::Tensor& staging) {
+      run_read(f, dst, allocated, copy_stream, read, staging);
+    });
+  };
+  std::unique_lock<std::mutex> lock(file->mutex);
+  if (!file->written) {
+    file->after_write.push_back(std::move(start));
+    return read;
+  }
+  lock.unlock();
+  start(file);
+  return read;
+}
+
+void SpillStore::run_read(const std::shared_ptr<SpillFile>& file, const at::Tensor& dst,
+                          const std::shared_ptr<c10::Event>& allocated, const std::optional<c10::Stream>& copy_stream,
+                          const std::shared_ptr<SpillRead>& read, const at::Tensor& staging) {
+  const int64_t t0 = now_ns();
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(file->mutex);
+    error = file->error;
+  }
+  const int64_t n = file->bytes();
+  auto* buf = static_cast<char*>(staging.data_ptr());
+  std::shared_ptr<c10::Event> done;
+  for (int64_t offset = 0; offset < n && error.empty(); offset += kChunkBytes) {
+    const int64_t len = std::min(kChunkBytes, n - offset);
+    if (const int err = file->transfer(/*write=*/false, buf, round_up(len, kBlock), offset)) {
+      error = io_error("reading back a spilled tensor of", err, n, file->fd());
+      break;
+    }
+    try {
+      if (dst.is_cpu()) {
+        std::memcpy(static_cast<char*>(dst.data_ptr()) + offset, buf, len);
+      } else {
+        TORCH_INTERNAL_ASSERT(copy_stream.has_value());
+        c10::StreamGuard guard(*copy_stream);
+        if (offset == 0 && allocated) allocated->block(*copy_stream);  // dst's block is ours from this point
+        dst.narrow(0, offset, len).copy_(staging.narrow(0, 0, len), /*non_blocking=*/true);
+        done = std::make_shared<c10::Event>(dst.device().type());
+        done->record(*copy_stream);
+        done->synchronize();  // the staging chunk is reused by the next transfer
+      }
+    } catch (const std::exception& e) {
+      error = std::string("hsoffload: copying a spilled tensor back to its device failed: ") + e.what();
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.read_ns += now_ns() - t0;
+    if (error.empty()) stats_.bytes_read += n;
+  }
+  {
+    std::lock_guard<std::mutex> lock(read->mutex_);
+    read->done_ = true;
+    read->error_ = error;
+    read->done_event_ = std::move(done);
+  }
+  read->cv_.notify_all();
+}
+
+SpillStats SpillStore::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  SpillStats s = stats_;
+  s.files = open_files_->load();
+  return s;
+}
+
+}  // namespace hsoffload
