@@ -1,4 +1,4 @@
-"""The `hsoffload` command: `hsoffload demo` and `hsoffload bench`.
+"""The `hsoffload` command: `hsoffload demo`, `hsoffload bench` and `hsoffload plan`.
 
 Tables and the progress bar are the command's output (stdout and stderr); library messages go
 through `logging.getLogger("hsoffload")`.
@@ -52,15 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: CPU suite, and the GPU suite when CUDA is present")
     bench.add_argument(
         "--suite",
-        choices=("auto", "cpu", "gpu", "all"),
+        choices=("auto", "cpu", "gpu", "disk", "all"),
         default="auto",
-        help="auto (default): cpu, plus gpu when CUDA is available; all: both, failing if no GPU",
+        help="auto (default): cpu, plus gpu when CUDA is available; disk: the spill tier against the file system; "
+        "all: cpu, disk and gpu, failing if no GPU",
     )
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke runs)")
     bench.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     bench.add_argument("--plot", default=None, metavar="PNG", help="write a plot (GPU suite: PNG; CPU suite: PNG with -cpu suffix when both run)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--threads", type=int, default=1, help="CPU threads for torch in the CPU suite (default 1, for stable timings on a shared machine)")
+    d = bench.add_argument_group("disk suite (spill tier)")
+    d.add_argument("--spill-dir", default=None, help="directory the disk suite spills to (default: a temporary directory under $HSOFFLOAD_SPILL_DIR or /tmp)")
+    d.add_argument("--spill-mib", type=int, default=512, help="MiB the disk suite writes and reads back (default 512)")
     g = bench.add_argument_group("GPU suite (Llama-3-8B layer dimensions, bf16, batch 1)")
     g.add_argument("--layers", type=int, default=8, help="decoder layers (default 8; Llama-3-8B has 32)")
     g.add_argument("--seqs", type=_int_list, default=[8192, 32768, 131072], help="sequence lengths (default 8k,32k,128k)")
@@ -71,6 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fit-layers", type=int, default=None, help="layers for the longest-sequence search (default: --layers)")
     g.add_argument("--profile-seq", type=int, default=None, help="length of the profiled step used for copy bandwidth (default: 32k or the longest that ran)")
     g.add_argument("--time-limit", type=float, default=420.0, help="seconds after which the GPU suite stops starting new measurements (default 420)")
+
+    pl = sub.add_parser("plan", help="before launch: device, host and spill bytes of a run, from a config.json alone")
+    pl.add_argument("config", help="a transformers config.json, or a directory holding one (no weights needed)")
+    pl.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    pl.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and step (default 1)")
+    pl.add_argument("--world-size", type=int, default=1, help="ranks in all (default 1)")
+    pl.add_argument("--local-world-size", type=int, default=None, help="ranks per node (default: min(world size, 8))")
+    pl.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
+    pl.add_argument("--bandwidth", type=float, default=25.0, metavar="GBps", help="host<->device copy bandwidth per rank, GB/s (default 25)")
+    pl.add_argument("--tflops", type=float, default=400.0, help="sustained compute per rank, TFLOP/s (default 400)")
+    pl.add_argument("--host-ram-gib", type=float, default=None, help="RAM of one node, GiB (default: this machine's)")
+    pl.add_argument("--device-gib", type=float, default=80.0, help="memory of one device, GiB (default 80)")
+    pl.add_argument("--prefetch-depth", type=int, default=1, help="restores issued ahead in backward (default 1)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
 
@@ -118,6 +136,18 @@ def _device(spec: Optional[str]) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     """Raises UsageError naming the first argument that cannot work."""
+    if args.command == "plan":
+        for name in ("seq_len", "micro_batch", "world_size"):
+            _at_least(args, name, 1)
+        if args.local_world_size is not None:
+            _at_least(args, "local_world_size", 1)
+        _at_least(args, "prefetch_depth", 0)
+        for name in ("bandwidth", "tflops", "device_gib"):
+            if getattr(args, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+        if args.host_ram_gib is not None and args.host_ram_gib <= 0:
+            raise UsageError(f"--host-ram-gib must be > 0, got {args.host_ram_gib}")
+        return
     if args.command == "demo":
         for name in ("steps", "layers", "batch"):
             _at_least(args, name, 1)
@@ -144,6 +174,38 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--seqs: every length must be >= 2, got {','.join(map(str, args.seqs))}")
         _writable("--json", args.json)
         _writable("--plot", args.plot)
+        _at_least(args, "spill_mib", 1)
+        if args.spill_dir is not None and not os.path.isdir(args.spill_dir):
+            raise UsageError(f"--spill-dir {args.spill_dir!r} is not a directory")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from . import plan
+
+    gib = 1 << 30
+    try:
+        result = plan.plan(
+            plan.PlanInput(
+                config=args.config,
+                seq_len=args.seq_len,
+                micro_batch=args.micro_batch,
+                world_size=args.world_size,
+                local_world_size=args.local_world_size,
+                dtype=args.dtype,
+                bandwidth_gbps=args.bandwidth,
+                tflops=args.tflops,
+                host_ram_bytes=int(args.host_ram_gib * gib) if args.host_ram_gib is not None else None,
+                device_bytes=int(args.device_gib * gib),
+                prefetch_depth=args.prefetch_depth,
+            )
+        )
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else plan.format_plan(result))
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -174,9 +236,13 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import common
 
     has_cuda = torch.cuda.is_available()
-    suites = {"auto": ["cpu"] + (["gpu"] if has_cuda else []), "cpu": ["cpu"], "gpu": ["gpu"], "all": ["cpu", "gpu"]}[
-        args.suite
-    ]
+    suites = {
+        "auto": ["cpu"] + (["gpu"] if has_cuda else []),
+        "cpu": ["cpu"],
+        "gpu": ["gpu"],
+        "disk": ["disk"],
+        "all": ["cpu", "disk", "gpu"],
+    }[args.suite]
     if "gpu" in suites and not has_cuda:
         print("hsoffload bench: the GPU suite needs CUDA, and torch.cuda.is_available() is False", file=sys.stderr)
         return 2
@@ -197,6 +263,12 @@ def _bench(args: argparse.Namespace) -> int:
             cpu_plot = cpu.plot(res, path)
             if cpu_plot:
                 print(f"plot: {cpu_plot}")
+    if "disk" in suites:
+        from .bench import disk
+
+        res = disk.run(spill_dir=args.spill_dir, mib=args.spill_mib, quick=args.quick)
+        results["disk"] = res
+        print(disk.report(res))
     if "gpu" in suites:
         from .bench import gpu
 
@@ -232,6 +304,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.setLevel(logging.DEBUG)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "plan":
+        return _plan(args)
     return _bench(args)
 
 

@@ -296,7 +296,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             self._report_if_ineffective()
 
     def _report_if_ineffective(self) -> None:
-        stats = self.stats
+        stats = OffloadStats.from_list(self._scope.stats())  # the engine's counters, whatever a subclass reports
         if stats.kept_on_device_tensors > 0:
             log_once(
                 "kept-on-device",
