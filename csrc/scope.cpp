@@ -576,10 +576,8 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
 void OffloadScope::prefetch_before_locked(int64_t seq, int64_t epoch) {
   // Host copies come back prefetch_depth ahead; spilled ones, slower to read, spill_prefetch_depth ahead.
   int64_t host_issued = 0, spill_issued = 0;
-  for (auto it = records_.rbegin();
-       it != records_.rend() &&
-       (host_issued < config_.prefetch_depth || spill_issued < config_.spill_prefetch_depth);
-       ++it) {
+  const auto more = [&] { return host_issued < config_.prefetch_depth || spill_issued < config_.spill_prefetch_depth; };
+  for (auto it = records_.rbegin(); it != records_.rend() && more(); ++it) {
     auto record = it->lock();
     if (!record || record->seq >= seq) {
       continue;

@@ -71,6 +71,8 @@ def test_bench_cpu_quick_json(tmp_path: Path) -> None:
     assert pool["peak_inflight_offloaded_bytes"] > 0
     assert pool["peak_held_bytes"] >= pool["peak_inflight_offloaded_bytes"]  # the pool holds what is in flight
     assert pool["engine_peak_valid"] is True
+    # Bytes, not times: held <= 1.05 x in flight and >= 95 % of packs after the first step without a new slab.
+    assert pool["meets_goal"] is True, pool
     cases = {(r["case"], r["tensor_bytes"]) for r in cpu["hook_calls"]}
     assert ("passthrough", 4096) in cases and any(c == "marked" for c, _ in cases)
     for r in cpu["hook_calls"]:
@@ -132,3 +134,22 @@ def test_plot_into_a_directory_is_refused(tmp_path: Path, capsys) -> None:
 
     assert cli.main(["demo", "--plot", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_bench_disk_quick_reports_spill_next_to_the_file_system(tmp_path: Path) -> None:
+    out = tmp_path / "disk.json"
+    proc = _run(["bench", "--suite", "disk", "--quick", "--spill-dir", str(tmp_path), "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    disk = json.loads(out.read_text())["disk"]
+    for side in ("fs", "spill"):
+        assert disk[side]["write_gbps"] > 0 and disk[side]["read_gbps"] > 0
+    assert 0.0 <= disk["hidden_fraction"] <= 1.0
+    assert "spill / file system" in proc.stdout and "hidden behind compute" in proc.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # nothing left in the spill directory
+
+
+def test_plan_and_bench_arguments_are_checked(tmp_path: Path) -> None:
+    proc = _run(["bench", "--suite", "disk", "--spill-dir", str(tmp_path / "nope")], tmp_path)
+    assert proc.returncode == 2 and "--spill-dir" in proc.stderr
+    proc = _run(["plan", str(tmp_path), "--seq-len", "-3"], tmp_path)
+    assert proc.returncode == 2 and "--seq-len" in proc.stderr

@@ -265,3 +265,35 @@ def test_dtypes_and_views_round_trip_exactly(dev, dtype, view):
     assert out.device == x.device and out.dtype == x.dtype
     assert out.shape == x.shape and out.stride() == x.stride()
     assert torch.equal(out.cpu(), x.cpu())
+
+
+@pytest.mark.parametrize("use_streams", [True, False])
+def test_spill_tier_on_the_device_is_bitwise(dev, tmp_path, use_streams):
+    """Budget for one layer of four: three spill. The I/O threads copy device -> staging -> file and back on the
+    side streams, while the compute stream lags and sentinels take the freed blocks."""
+    torch.manual_seed(5)
+    ref = Stack().to(dev)
+    off = copy.deepcopy(ref)
+    x = torch.randn(4, 16, 32).to(dev).requires_grad_()
+    layer_bytes = x.numel() * x.element_size()
+    expected = _step(ref, x, None)
+    for step in range(2):
+        off.zero_grad(set_to_none=True)
+        scope = OffloadScope(min_offload_size=0, max_host_bytes=layer_bytes, spill_dir=str(tmp_path),
+                             use_streams=use_streams)
+        with scope:
+            loss = off(x, stall_us=1_000)
+            junk = [torch.full_like(x, -7.0) for _ in range(8)]
+            hsemu.sleep(3_000)
+            del junk
+            loss.backward()
+        _assert_same(expected, (loss.detach().cpu(), _grads(off)))
+        s = scope.stats
+        assert s.offloaded_tensors == 4 and s.spilled_tensors == 3 and s.restored_tensors == 4, s
+    del loss
+    import gc
+
+    gc.collect()
+    assert scope.spill_stats()["files"] == 0
+    assert list(tmp_path.iterdir()) == []
+    hsoffload.set_host_budget("auto")

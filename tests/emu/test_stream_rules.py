@@ -192,3 +192,99 @@ def test_host_buffer_is_not_lent_again_while_a_d2h_copy_writes_it(dev):
         handle_c = _pack(second, c)
     hsemu.synchronize()  # every queued copy has landed, a's late one included
     _expect(unpack_op(handle_c), 2.0)
+
+
+# --- the spill tier (max_host_bytes=0: every pack spills; the I/O threads copy on the side streams) ----------------
+
+
+@pytest.fixture
+def spill_scope(tmp_path):
+    made: list[OffloadScope] = []
+
+    def make(**kwargs) -> OffloadScope:
+        made.append(_scope(max_host_bytes=0, spill_dir=str(tmp_path), **kwargs))
+        return made[-1]
+
+    yield make
+    hsoffload.set_host_budget("auto")
+    for s in made:
+        assert s.stats.kept_on_device_tensors == 0
+
+
+def _written(scope: OffloadScope, nbytes: int) -> None:
+    """Waits until the I/O threads have written `nbytes` more than when the scope was entered."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while scope.spill_stats()["bytes_written"] < nbytes:
+        assert time.monotonic() < deadline, scope.spill_stats()
+        time.sleep(0.001)
+
+
+def test_spill_write_waits_for_the_producing_stream(dev, spill_scope):
+    """Spill write: the I/O thread's device->staging copy runs only after the stream that produced x (e_prod)."""
+    host = torch.full((N,), 7.0).pin_memory()
+    scope = spill_scope()
+    with hsemu.copy_delay(h2d_us=DELAY):
+        with scope:
+            x = host.to(dev, non_blocking=True)  # produced by a copy still queued on stream 0
+            handle = _pack(scope, x)
+    del x
+    _expect(unpack_op(handle), 7.0)
+    assert scope.stats.spilled_tensors == 1
+
+
+def test_spill_write_waits_for_its_staging_copy(dev, spill_scope):
+    """Spill write: pwrite reads the staging chunk only after the device->staging copy into it has run."""
+    scope = spill_scope()
+    with hsemu.copy_delay(d2h_us=DELAY):
+        with scope:
+            handle = _pack(scope, _full(4.0, dev))
+            _written(scope, N * 4)
+    _expect(unpack_op(handle), 4.0)
+
+
+def test_spill_read_waits_for_the_allocation_point(dev, spill_scope):
+    """Spill read: the side stream writes the new block only after the compute stream's earlier users (e_alloc)."""
+    scope = spill_scope()
+    x = _full(3.0, dev)
+    with scope:
+        handle = _pack(scope, x)
+        _written(scope, N * 4)
+    hsemu.synchronize()
+    old = _full(5.0, dev)
+    keep = torch.empty(N, device=dev)
+    with hsemu.copy_delay(h2d_us=SHORT, d2d_us=0):
+        hsemu.sleep(DELAY)  # stream 0 lags the host
+        keep.copy_(old)  # queued after the stall: still reads old's block
+        del old  # freed on the host: the spill read's block reuses it
+        restored = unpack_op(handle)
+    _expect(keep, 5.0)
+    _expect(restored, 3.0)
+
+
+def test_spill_read_reuses_staging_only_after_its_copy(dev, spill_scope):
+    """Spill read: a tensor of several 8 MiB chunks goes through one staging chunk; each chunk's staging->device copy
+    must have run before the next pread overwrites the chunk."""
+    n = (8 << 20) // 4 * 2 + N  # two full chunks and a bit
+    x = torch.arange(n, dtype=torch.float32).remainder(1000.0).to(dev)
+    scope = spill_scope()
+    with scope:
+        handle = _pack(scope, x)
+        _written(scope, n * 4)
+    hsemu.synchronize()
+    with hsemu.copy_delay(h2d_us=DELAY):
+        restored = unpack_op(handle)
+        assert torch.equal(restored.cpu(), x.cpu())
+
+
+def test_unpack_waits_for_the_spill_read(dev, spill_scope):
+    """Unpack: the restored tensor is handed out only once the I/O thread has read it back."""
+    scope = spill_scope()
+    with scope:
+        handle = _pack(scope, _full(6.0, dev))
+        _written(scope, N * 4)
+    hsemu.synchronize()
+    with hsemu.copy_delay(h2d_us=DELAY):
+        restored = unpack_op(handle)
+    _expect(restored, 6.0)
