@@ -177,11 +177,78 @@ def _fsdp2_from_rank0(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _steps(model: torch.nn.Module, batches: list[torch.Tensor], offload: bool) -> tuple[list[float], list[Any]]:
+    """AdamW steps on `batches` (the same on every rank); per step the loss and the offload counters."""
+    import hsoffload
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, stats = [], []
+    for ids in batches:
+        if offload:
+            with hsoffload.offload_hidden_states(model, offload_cpu_tensors=True, min_offload_size=0) as scope:
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+            stats.append(scope.stats.__dict__)
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, stats
+
+
+def _train_with_offload(path: str, vocab: int, steps: int) -> dict[str, Any]:
+    """FSDP2 + RAM-efficient loading + hidden-state offload (non-reentrant checkpointing), against the same FSDP2
+    model without offload (bitwise: offload only moves bytes) and a single-process model without FSDP (within a
+    tolerance: FSDP2 averages gradients in another order). Stock LlamaForCausalLM here: the in-place-init class
+    above re-randomises weights on purpose, differently per load."""
+    import transformers
+
+    import hsoffload.fsdp as hf
+
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(3, vocab, (2, 16), generator=g) for _ in range(steps)]  # the same on every rank
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    runs: dict[str, list[float]] = {}
+    stats: list[Any] = []
+    report = None
+    for name in ("offload", "fsdp_no_offload"):
+        hf.patch()
+        try:
+            model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+        finally:
+            hf.unpatch()
+        if name == "offload":
+            report = hf.last_report()
+        model = _fsdp2_from_rank0(model)
+        model.gradient_checkpointing_enable(**kwargs)
+        model.train()
+        runs[name], s = _steps(model, batches, offload=name == "offload")
+        stats = stats or s
+    os.environ["ACCELERATE_USE_FSDP"] = "0"  # a plain single-process load: no FSDP gate
+    try:
+        single = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    finally:
+        os.environ["ACCELERATE_USE_FSDP"] = "1"
+    single.train()
+    runs["single_process"], _ = _steps(single, batches, offload=False)
+    return {
+        "losses": runs["offload"],
+        "fsdp_no_offload_losses": runs["fsdp_no_offload"],
+        "single_process_losses": runs["single_process"],
+        "stats": stats,
+        "layers": len(single.model.layers),
+        "report": report.__dict__ if report is not None else None,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--skip-stock", action="store_true")
+    ap.add_argument("--train-steps", type=int, default=0, help="then train this many steps under hidden-state offload")
     a = ap.parse_args()
 
     os.environ["ACCELERATE_USE_FSDP"] = "1"
@@ -219,6 +286,9 @@ def main() -> int:
     out.loss.backward()
     result["loss"] = float(out.loss.detach())
     result["grad_finite"] = all(bool(torch.isfinite(p.grad.full_tensor()).all()) for p in model.parameters())
+
+    if a.train_steps:
+        result["train"] = _train_with_offload(a.model_dir, ref.vocab_size, a.train_steps)
 
     with open(os.path.join(a.out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -44,6 +44,7 @@ STAT_FIELDS = [
     "offloaded_bytes",
     "restored_bytes",
 ]
+SPILL_FIELDS = ["spilled_tensors", "spilled_bytes", "spill_read_wait_ns", "kept_on_device_tensors"]
 ON_ACCELERATOR = torch.cuda.is_available()
 DEVICE = "cuda" if ON_ACCELERATOR else "cpu"
 
@@ -81,7 +82,8 @@ def test_signatures_and_defaults_match_axolotl() -> None:
 
 
 def test_stats_dataclass() -> None:
-    assert [f.name for f in dataclasses.fields(CheckpointActivationOffloadStats)] == STAT_FIELDS
+    # Axolotl's fields first, in its order; then the spill tier's.
+    assert [f.name for f in dataclasses.fields(CheckpointActivationOffloadStats)] == STAT_FIELDS + SPILL_FIELDS
     stats = CheckpointActivationOffloadStats()
     assert all(getattr(stats, f) == 0 for f in STAT_FIELDS)
     stats.marked_tensors += 1  # mutable, like Axolotl's
@@ -145,6 +147,48 @@ def test_enter_resets_stats_and_reset_zeroes() -> None:
         layer(hidden()).sum().backward()
         offload.reset()
         assert offload.stats == CheckpointActivationOffloadStats()
+
+
+def test_stats_is_one_mutable_object_that_can_be_assigned() -> None:
+    """As in Axolotl's module: `ctx.stats = ...` works and in-place changes to it are kept."""
+    layer = tiny_layer()
+    offload = CheckpointHiddenStatesOffload(min_offload_size=0)
+    with offload:
+        layer(hidden()).sum().backward()
+        stats = offload.stats
+        assert offload.stats is stats and stats.marked_tensors == 1
+        stats.marked_tensors += 10  # a caller's own bookkeeping
+        layer(hidden()).sum().backward()
+        assert offload.stats.marked_tensors == 12
+        offload.stats = CheckpointActivationOffloadStats(marked_tensors=100)
+        layer(hidden()).sum().backward()
+        assert offload.stats.marked_tensors == 101
+    with pytest.raises(TypeError, match="CheckpointActivationOffloadStats"):
+        offload.stats = {"marked_tensors": 0}  # type: ignore[assignment]
+
+
+def test_nested_entry_of_one_instance_is_accepted() -> None:
+    layer = tiny_layer()
+    offload = CheckpointHiddenStatesOffload(min_offload_size=0)
+    with offload:
+        with offload:  # Axolotl's module accepts this; the inner entry does nothing
+            layer(hidden()).sum().backward()
+        assert offload.active  # the outer entry is still in charge
+        layer(hidden()).sum().backward()
+    assert not offload.active
+    assert offload.stats.marked_tensors == 2
+    from hsoffload.scope import current_scope
+
+    assert current_scope() is None
+
+
+def test_a_manual_mark_counts_once_however_often_it_is_saved() -> None:
+    x = hidden().requires_grad_()
+    offload = CheckpointHiddenStatesOffload(min_offload_size=0)
+    with offload:
+        h = offload.mark(x * 2)
+        (h * h.sin() * h.cos()).sum().backward()  # h is saved by several nodes
+    assert offload.stats.marked_tensors == 1, offload.stats
 
 
 def test_parameters_are_never_marked() -> None:
@@ -220,7 +264,7 @@ def test_plugin_imports_without_axolotl() -> None:
     if importlib.util.find_spec("axolotl") is not None:
         pytest.skip("axolotl is installed here")
     module = importlib.import_module("hsoffload.axolotl_plugin")
-    assert module.BasePlugin.__module__ == "hsoffload.axolotl_plugin"
+    assert module.BasePlugin.__module__ == "hsoffload.integrations.axolotl_plugin"
     assert "axolotl" not in sys.modules
 
 
@@ -322,3 +366,39 @@ def test_plugin_refuses_invalid_values_before_the_model_loads(key: str, value: A
     schema = getattr(importlib.import_module(module_name), cls_name)
     with pytest.raises(Exception, match=key):  # Axolotl's own pydantic config check refuses it too
         schema(**{key: value})
+
+
+def test_plugin_messages_reach_axolotls_log_output() -> None:
+    """Axolotl shows other libraries' records only from WARNING up; the plugin routes hsoffload's INFO lines into
+    the `axolotl` logger tree, whose handlers show INFO. WARNING lines are not duplicated."""
+    from hsoffload._logging import ForwardInfo
+
+    seen: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    axolotl_logger = logging.getLogger("axolotl")
+    collect = Collect(logging.INFO)
+    old_level, old_propagate = axolotl_logger.level, axolotl_logger.propagate
+    axolotl_logger.addHandler(collect)
+    axolotl_logger.setLevel(logging.INFO)
+    axolotl_logger.propagate = False  # as Axolotl's logging config has it
+    hs = logging.getLogger("hsoffload")
+    hs_level = hs.level
+    try:
+        HsOffloadPlugin().register(None)
+        HsOffloadPlugin().register(None)  # idempotent: one forwarding handler
+        assert sum(isinstance(h, ForwardInfo) for h in hs.handlers) == 1
+        hs.info("hsoffload: an info line for the user")
+        hs.warning("hsoffload: a warning line")
+        assert [r.getMessage() for r in seen] == ["hsoffload: an info line for the user"]
+        assert seen[0].name == "axolotl.integrations.hsoffload"
+    finally:
+        for h in [h for h in hs.handlers if isinstance(h, ForwardInfo)]:
+            hs.removeHandler(h)
+        hs.setLevel(hs_level)
+        axolotl_logger.removeHandler(collect)
+        axolotl_logger.setLevel(old_level)
+        axolotl_logger.propagate = old_propagate

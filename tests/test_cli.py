@@ -153,3 +153,11 @@ def test_plan_and_bench_arguments_are_checked(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "--spill-dir" in proc.stderr
     proc = _run(["plan", str(tmp_path), "--seq-len", "-3"], tmp_path)
     assert proc.returncode == 2 and "--seq-len" in proc.stderr
+
+
+def test_demo_does_not_import_the_benchmark_package(tmp_path: Path) -> None:
+    code = "import sys, hsoffload.demo; print(sorted(m for m in sys.modules if m.startswith('hsoffload.bench')))"
+    env = dict(os.environ, PYTHONPATH=str(Path(hsoffload.__file__).resolve().parent.parent),
+               HSOFFLOAD_LIBRARY=str(hsoffload.load_library()))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

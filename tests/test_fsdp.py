@@ -58,7 +58,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _torchrun(out: Path, checkpoint: Path, pythonpath_first: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+def _torchrun(out: Path, checkpoint: Path, pythonpath_first: Path | None = None, *extra: str,
+              **env: str) -> subprocess.CompletedProcess:
     full_env = dict(os.environ)
     full_env.pop("LOCAL_RANK", None)
     # The workers import hsoffload as this process does (installed package or python_shim).
@@ -73,6 +74,7 @@ def _torchrun(out: Path, checkpoint: Path, pythonpath_first: Path | None = None,
     cmd += ["--model-dir", str(checkpoint), "--out-dir", str(out)]
     if env.get("HSOFFLOAD_TEST_FAIL_RANK"):
         cmd.append("--skip-stock")
+    cmd += list(extra)
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=240)
 
 
@@ -128,6 +130,24 @@ def test_two_ranks_skip_init_then_broadcast(tmp_path: Path, checkpoint: Path, tf
     assert r0["digests"] == r1["digests"] and len(r0["digests"]) >= 22  # 21 tensors + rotary buffer(s)
     assert r0["loss"] == r1["loss"]
     assert r0["grad_finite"] and r1["grad_finite"]
+
+
+def test_fsdp2_two_ranks_train_with_offload_and_ram_efficient_loading(tmp_path: Path, checkpoint: Path) -> None:
+    """Both features together, as Axolotl users run long context on several GPUs: RAM-efficient loading, FSDP2
+    (`fully_shard`), non-reentrant checkpointing and hidden-state offload, 3 AdamW steps on 2 ranks (gloo)."""
+    proc = _torchrun(tmp_path, checkpoint, None, "--skip-stock", "--train-steps", "3")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text())["train"] for r in (0, 1))
+    assert r0["losses"] == r1["losses"]  # the same batch on both ranks, gradients averaged
+    for r in (r0, r1):
+        assert r["losses"] == r["fsdp_no_offload_losses"]  # offload only moves bytes: bitwise
+        # A single process without FSDP: the same maths, reduced in another order.
+        assert r["losses"] == pytest.approx(r["single_process_losses"], rel=1e-5, abs=1e-6)
+        for s in r["stats"]:
+            assert s["offloaded_tensors"] == r["layers"] and s["restored_tensors"] == r["layers"], s
+            assert s["offloaded_bytes"] == r["layers"] * 2 * 16 * 64 * 4, s  # batch x seq x hidden x fp32
+    assert r1["report"]["skipped"] is True  # the loading report on rank 1 shows the skip
+    assert r0["report"]["skipped"] is False
 
 
 def test_rank_failing_during_load_fails_all_ranks(tmp_path: Path, checkpoint: Path) -> None:

@@ -86,10 +86,36 @@ def test_trainer_one_liner_bitwise_and_logged(tmp_path: Path, reentrant: bool) -
         assert entry["hsoffload/offloaded_gib"] > 0
         assert entry["hsoffload/restored_gib"] == entry["hsoffload/offloaded_gib"]
     assert trainer.hsoffload_scope.stats.offloaded_tensors == 2 * forwards_per_log * H.LAYERS
+    summary = trainer.state.log_history[-1]
+    assert "train_runtime" in summary and not any(k.startswith("hsoffload/") for k in summary), summary
     for a, b in zip(_train_logs(plain), logs):
         assert a["loss"] == b["loss"]
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_one_summary_line_in_transformers_log_output(tmp_path: Path) -> None:
+    """transformers shows WARNING by default through its own handler (the `transformers` logger does not
+    propagate): the once-per-run line goes there, at that level."""
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    collect = Collect(logging.WARNING)
+    logging.getLogger("transformers").addHandler(collect)
+    try:
+        args = training_args(tmp_path)
+        trainer = enable_hidden_state_offload(
+            transformers.Trainer(model=H.tiny_model("llama"), args=args, train_dataset=TokenDataset()), **SCOPE
+        )
+        trainer.train()
+    finally:
+        logging.getLogger("transformers").removeHandler(collect)
+    lines = [m for m in seen if m.startswith("hsoffload: hidden-state offload on")]
+    assert len(lines) == 1, seen
+    assert f"{H.LAYERS} decoder layers" in lines[0] and "hsoffload/*" in lines[0]
 
 
 def test_mixin_class_factory(tmp_path: Path) -> None:

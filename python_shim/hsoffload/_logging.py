@@ -25,12 +25,44 @@ class StderrUnlessConfigured(logging.Handler):
         self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
-        if logging.getLogger().handlers or any(h is not self for h in logger.handlers):
+        others = [h for h in logger.handlers if h is not self and not isinstance(h, ForwardInfo)]
+        if logging.getLogger().handlers or others:
             return
         try:
             sys.stderr.write(self.format(record) + "\n")
         except Exception:  # noqa: BLE001  (a logging handler must never raise into the caller)
             self.handleError(record)
+
+
+class ForwardInfo(logging.Handler):
+    """Re-logs hsoffload's INFO records through a training framework's logger (Axolotl's, transformers'), whose
+    handlers show INFO where the root logger's do not. WARNING and above are not forwarded: they reach the root
+    logger's handlers (or `StderrUnlessConfigured`) as before, so nothing is printed twice."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(logging.INFO)
+        self.target = logging.getLogger(target)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING or not self.target.isEnabledFor(record.levelno):
+            return
+        try:
+            copy = logging.makeLogRecord(record.__dict__)
+            copy.name = self.target.name
+            self.target.handle(copy)
+        except Exception:  # noqa: BLE001  (a logging handler must never raise into the caller)
+            self.handleError(record)
+
+
+def route_info_to(target: str) -> None:
+    """Make hsoffload's INFO messages appear in `target`'s log output (idempotent; one target at a time)."""
+    for h in [h for h in logger.handlers if isinstance(h, ForwardInfo)]:
+        if h.target.name == target:
+            return
+        logger.removeHandler(h)
+    logger.addHandler(ForwardInfo(target))
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
 
 
 def install_default_handler() -> None:

@@ -212,7 +212,7 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
 
     from . import demo
-    from .bench import common
+    from . import workloads as common
 
     device = torch.device(args.device) if args.device else None
     if (device or common.default_device()).type == "cpu" and args.threads > 0:
@@ -233,7 +233,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .bench import common
+    from . import workloads as common
 
     has_cuda = torch.cuda.is_available()
     suites = {

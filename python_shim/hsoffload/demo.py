@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 import torch
 
-from .bench import common
-from .bench.common import LlamaShape, SavedBytesTimeline, pyplot
+from . import workloads as common
+from .workloads import LlamaShape, SavedBytesTimeline, pyplot
 
 logger = logging.getLogger("hsoffload")
 

@@ -43,6 +43,11 @@ def current_scope() -> Optional["OffloadScope"]:
     return stack[-1] if stack else None
 
 
+def entered_on_this_thread(scope: "OffloadScope") -> bool:
+    """True if `scope` is active on the calling thread (anywhere in its stack, not only innermost)."""
+    return scope in getattr(_tls, "stack", ())
+
+
 _POOL_FIELDS = (
     "held_bytes",
     "in_use_bytes",

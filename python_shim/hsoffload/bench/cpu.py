@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import common
-from .common import LlamaShape, Progress, median
+from .. import workloads as common
+from ..workloads import LlamaShape, Progress, median
 from .peers import HsOffload, Method, all_methods
 
 logger = logging.getLogger("hsoffload")

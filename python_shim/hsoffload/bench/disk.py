@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import common
+from .. import workloads as common
 
 _BLOCK = 8 << 20
 _TENSOR = 64 << 20

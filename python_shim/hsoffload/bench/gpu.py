@@ -34,8 +34,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import common
-from .common import LlamaShape, Progress, median
+from .. import workloads as common
+from ..workloads import LlamaShape, Progress, median
 from .peers import Method, all_methods
 
 logger = logging.getLogger("hsoffload")

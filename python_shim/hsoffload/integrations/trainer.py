@@ -78,9 +78,21 @@ class _TrainerOffload:
         self.checked = True
         patch()
         model = getattr(trainer, "model", None)
-        if isinstance(model, torch.nn.Module):
-            check_model(model)
+        layers = check_model(model) if isinstance(model, torch.nn.Module) else None
         _report_competing_offload(trainer)
+        c = self.scope.config
+        # Once per run, where the trainer's users look: transformers' own logger (its handler and verbosity),
+        # at WARNING, the level transformers shows by default.
+        logging.getLogger("transformers.hsoffload").warning(
+            "hsoffload: hidden-state offload on for %s (%s decoder layers; min_offload_size=%d, prefetch_depth=%d, "
+            "max_host_bytes=%s, spill_dir=%s); counters in the logs as hsoffload/*",
+            type(trainer).__name__,
+            layers if layers is not None else "?",
+            c.min_offload_size,
+            c.prefetch_depth,
+            c.max_host_bytes,
+            c.spill_dir,
+        )
 
     def log_values(self) -> dict[str, float]:
         now = self.scope.stats
@@ -112,7 +124,9 @@ def _report_competing_offload(trainer: Any) -> None:
 
 
 def _is_training_log(logs: dict[str, Any]) -> bool:
-    return not any(key.startswith(("eval_", "test_")) for key in logs)
+    """A per-step training log: not evaluation, and not the end-of-training summary (`train_runtime`, ...), whose
+    window is the whole run and would get deltas of ~0."""
+    return "train_runtime" not in logs and not any(key.startswith(("eval_", "test_")) for key in logs)
 
 
 def _state(trainer: Any) -> _TrainerOffload:

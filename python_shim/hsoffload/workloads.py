@@ -1,4 +1,4 @@
-"""Pieces shared by `hsoffload demo` and `hsoffload bench`.
+"""Pieces shared by `hsoffload demo` and `hsoffload bench` (the demo imports this, never the bench package).
 
 Model builders (Llama configs written out locally, never downloaded), one training step, the
 saved-activation instrumentation used for the demo plot and the hook-time share, timing helpers,

@@ -1,0 +1,218 @@
+"""Axolotl plugin: `activation_offloading: hidden_states` runs on hsoffload.
+
+In the Axolotl YAML::
+
+    plugins:
+      - hsoffload.axolotl_plugin.HsOffloadPlugin
+    gradient_checkpointing: true
+    activation_offloading: hidden_states
+    # optional, defaults shown
+    hsoffload_min_offload_size: 1024      # bytes; smaller marked tensors stay on the device
+    hsoffload_prefetch_depth: 1           # restores issued ahead of their use in backward
+    hsoffload_max_pool_bytes: null        # cap of the pinned host pool (null: unbounded)
+    hsoffload_max_host_bytes: auto        # offloaded bytes in host RAM at once ("64GiB", bytes, or auto:
+                                          # 80% of MemAvailable / LOCAL_WORLD_SIZE)
+    hsoffload_spill_dir: null             # local directory for what exceeds it (null: it stays on the GPU)
+    hsoffload_spill_prefetch_depth: 2     # spilled tensors read back ahead of their use
+    hsoffload_use_streams: true           # copies on side streams
+    hsoffload_offload_cpu_tensors: false  # also copy CPU tensors (CPU smoke runs; no benefit otherwise)
+
+What it does once Axolotl has built its trainer (`post_trainer_create`): it turns Axolotl's own
+offload context for that mode into a no-op, puts torch's reentrant `CheckpointFunction` back if
+Axolotl swapped in its offloading one, and enables `hsoffload.integrations.enable_hidden_state_offload`
+on the trainer (offload scope around each training step, `hsoffload/*` counters in the logs).
+Other `activation_offloading` values are left to Axolotl.
+
+Imports without Axolotl installed (a stand-in base class), so the wiring can be unit tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from typing import Any, Optional, Union
+
+import torch.utils.checkpoint
+
+from .trainer import enable_hidden_state_offload
+from ..patch import patch
+from .._logging import route_info_to
+from ..scope import OffloadConfig, parse_bytes
+
+logger = logging.getLogger("hsoffload")
+
+try:  # pragma: no cover - depends on whether Axolotl is installed
+    from axolotl.integrations.base import BasePlugin
+except ImportError:  # Axolotl absent: a stand-in with the same (no-op) constructor
+
+    class BasePlugin:  # type: ignore[no-redef]
+        """Stand-in for `axolotl.integrations.base.BasePlugin` when Axolotl is not installed."""
+
+        def __init__(self) -> None:
+            pass
+
+
+# Every Axolotl key the plugin reads, with what it accepts. The one source of truth for validation (below) and for
+# the pydantic schema Axolotl merges into its config (so Axolotl's own config check refuses bad values too).
+KEYS: dict[str, tuple[type, str]] = {
+    "hsoffload_min_offload_size": (int, "an int >= 0 (bytes)"),
+    "hsoffload_prefetch_depth": (int, "an int >= 0"),
+    "hsoffload_max_pool_bytes": (int, "null or an int >= 0 (bytes)"),
+    "hsoffload_max_host_bytes": (str, "auto, an int >= 0 (bytes) or a size such as 64GiB"),
+    "hsoffload_spill_dir": (str, "null or a directory path"),
+    "hsoffload_spill_prefetch_depth": (int, "an int >= 0"),
+    "hsoffload_use_streams": (bool, "true or false"),
+    "hsoffload_offload_cpu_tensors": (bool, "true or false"),
+}
+
+try:
+    from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
+
+    class HsOffloadArgs(BaseModel):
+        """Axolotl config keys read by `HsOffloadPlugin` (merged into Axolotl's config schema)."""
+
+        hsoffload_min_offload_size: Optional[StrictInt] = Field(default=None, ge=0)
+        hsoffload_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
+        hsoffload_max_pool_bytes: Optional[StrictInt] = Field(default=None, ge=0)
+        hsoffload_max_host_bytes: Optional[Union[StrictInt, StrictStr]] = None
+        hsoffload_spill_dir: Optional[StrictStr] = None
+        hsoffload_spill_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
+        hsoffload_use_streams: Optional[StrictBool] = None
+        hsoffload_offload_cpu_tensors: Optional[StrictBool] = None
+
+except ImportError:  # pragma: no cover - pydantic ships with Axolotl
+    HsOffloadArgs = None  # type: ignore[assignment,misc]
+
+
+def _cfg_keys(cfg: Any) -> list[str]:
+    keys = getattr(cfg, "keys", None)
+    if callable(keys):
+        return [str(k) for k in keys()]
+    return [k for k in vars(cfg)] if hasattr(cfg, "__dict__") else []
+
+
+def validate_config(cfg: Any) -> None:
+    """Refuses unknown `hsoffload_*` keys (naming the closest known one) and invalid values (naming key, value and
+    what is allowed). Runs when Axolotl reads the config, before any model is loaded."""
+    import difflib
+
+    for key in _cfg_keys(cfg):
+        if key.startswith("hsoffload_") and key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; known keys: {', '.join(KEYS)}"
+            raise ValueError(f"hsoffload plugin: unknown Axolotl config key {key}{hint}")
+    for key, (kind, allowed) in KEYS.items():
+        value = _cfg_get(cfg, key)
+        if value is None:
+            continue
+        if key == "hsoffload_max_host_bytes":
+            try:
+                parse_bytes(value, key)
+                ok = True
+            except ValueError:
+                ok = False
+        elif kind is str:
+            ok = isinstance(value, str) and bool(value)
+        else:
+            ok = isinstance(value, bool) if kind is bool else (
+                isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            )
+        if not ok:
+            raise ValueError(f"hsoffload plugin: {key}: {value!r} is not allowed; expected {allowed}")
+
+HIDDEN_STATES_MODE = "hidden_states"
+# Axolotl's handlers serve the "axolotl" logger tree at AXOLOTL_LOG_LEVEL (INFO by default); its root handlers show
+# other libraries' records only from WARNING up.
+AXOLOTL_LOGGER = "axolotl.integrations.hsoffload"
+# Axolotl's trainer attribute holding the context it enters around each training step.
+_AXOLOTL_CONTEXT_ATTR = "activation_offload_context"
+# Captured at import (plugins are imported when Axolotl reads the config, before the model loads).
+_TORCH_CHECKPOINT_FUNCTION = torch.utils.checkpoint.CheckpointFunction
+
+
+def _cfg_get(cfg: Any, key: str) -> Any:
+    getter = getattr(cfg, "get", None)
+    return getter(key) if callable(getter) else getattr(cfg, key, None)
+
+
+def is_enabled(cfg: Any) -> bool:
+    """True when the config asks for hidden-state offload (`activation_offloading: hidden_states`)."""
+    return _cfg_get(cfg, "activation_offloading") == HIDDEN_STATES_MODE
+
+
+def wants_ram_efficient_loading(cfg: Any) -> bool:
+    """True for FSDP configs with `cpu_ram_efficient_loading` (Axolotl's `fsdp_config`, either key spelling)."""
+    fsdp_config = _cfg_get(cfg, "fsdp_config") or {}
+    getter = fsdp_config.get if isinstance(fsdp_config, dict) else (lambda key: getattr(fsdp_config, key, None))
+    return bool(getter("cpu_ram_efficient_loading") or getter("fsdp_cpu_ram_efficient_loading"))
+
+
+def offload_config(cfg: Any) -> OffloadConfig:
+    """The `OffloadConfig` for an Axolotl config (`hsoffload_*` keys; defaults where unset)."""
+    values = {
+        "min_offload_size": _cfg_get(cfg, "hsoffload_min_offload_size"),
+        "prefetch_depth": _cfg_get(cfg, "hsoffload_prefetch_depth"),
+        "max_pool_bytes": _cfg_get(cfg, "hsoffload_max_pool_bytes"),
+        "use_streams": _cfg_get(cfg, "hsoffload_use_streams"),
+        "offload_cpu_tensors": _cfg_get(cfg, "hsoffload_offload_cpu_tensors"),
+        "max_host_bytes": _cfg_get(cfg, "hsoffload_max_host_bytes"),
+        "spill_dir": _cfg_get(cfg, "hsoffload_spill_dir"),
+        "spill_prefetch_depth": _cfg_get(cfg, "hsoffload_spill_prefetch_depth"),
+    }
+    return OffloadConfig(**{k: v for k, v in values.items() if v is not None})
+
+
+def restore_torch_checkpoint_function() -> bool:
+    """Undo Axolotl's swap of `torch.utils.checkpoint.CheckpointFunction` (its reentrant
+    hidden-states offload), so reentrant checkpoints save their inputs through hsoffload's hooks.
+    Returns True if something was restored."""
+    current = torch.utils.checkpoint.CheckpointFunction
+    if current is _TORCH_CHECKPOINT_FUNCTION:
+        return False
+    try:
+        axolotl_patch = importlib.import_module("axolotl.monkeypatch.activation_offload_checkpoint")
+        axolotl_patch.unpatch_hidden_states_offload()
+    except (ImportError, AttributeError):
+        pass
+    if torch.utils.checkpoint.CheckpointFunction is not _TORCH_CHECKPOINT_FUNCTION:
+        torch.utils.checkpoint.CheckpointFunction = _TORCH_CHECKPOINT_FUNCTION
+    logger.info("hsoffload: restored torch's reentrant CheckpointFunction (was %r)", current)
+    return True
+
+
+class HsOffloadPlugin(BasePlugin):
+    """Makes Axolotl's `activation_offloading: hidden_states` use hsoffload."""
+
+    def get_input_args(self) -> Optional[str]:
+        return "hsoffload.axolotl_plugin.HsOffloadArgs" if HsOffloadArgs is not None else None
+
+    def register(self, cfg: Any = None) -> None:
+        """Called by Axolotl when it loads the plugin while reading the config: the `hsoffload_*` keys are checked
+        here, before any model is loaded. From here on hsoffload's INFO messages go to Axolotl's log output."""
+        route_info_to(AXOLOTL_LOGGER)
+        if cfg is not None:
+            validate_config(cfg)
+
+    def pre_model_load(self, cfg: Any) -> None:
+        validate_config(cfg)  # again, for Axolotl versions that call register() without the config
+        if is_enabled(cfg):
+            patch()
+        if wants_ram_efficient_loading(cfg):
+            from .. import fsdp
+
+            fsdp.patch()
+            logger.info("hsoffload: FSDP cpu_ram_efficient_loading: non-rank-0 weight init is skipped (hsoffload.fsdp)")
+
+    def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
+        if not is_enabled(cfg):
+            return
+        if not _cfg_get(cfg, "gradient_checkpointing"):
+            logger.warning(
+                "hsoffload: activation_offloading: hidden_states needs gradient_checkpointing: true; without it "
+                "there are no checkpointed hidden states to offload"
+            )
+        if hasattr(trainer, _AXOLOTL_CONTEXT_ATTR):
+            setattr(trainer, _AXOLOTL_CONTEXT_ATTR, contextlib.nullcontext())
+        restore_torch_checkpoint_function()
+        enable_hidden_state_offload(trainer, offload_config(cfg))
