@@ -3,6 +3,7 @@
 #include "hsoffload/tensor_kind.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -264,14 +265,16 @@ bool OffloadScope::is_marked(const at::Tensor& x) {
   return active_ && x.defined() && is_marked_locked(x);
 }
 
-bool OffloadScope::is_marked_locked(const at::Tensor& x) {
+bool OffloadScope::is_marked_locked(const at::Tensor& x) { return find_mark_locked(x) != nullptr; }
+
+OffloadScope::Mark* OffloadScope::find_mark_locked(const at::Tensor& x) {
   const uint32_t version = version_of(x);
-  for (const auto& m : marks_) {
+  for (auto& m : marks_) {
     if (m.matches(x, version)) {
-      return true;
+      return &m;
     }
   }
-  return false;
+  return nullptr;
 }
 
 void OffloadScope::prune_locked() {
@@ -342,6 +345,8 @@ std::shared_ptr<SavedHandle> SavedHandle::passthrough(const at::Tensor& x) {
 }
 
 std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
+  // Profiler ranges (torch.profiler, Chrome/Perfetto traces) name every engine step: docs/design.md, "Tracing".
+  RECORD_USER_SCOPE("hsoffload::pack");
   auto handle = SavedHandle::passthrough(x);
   handle->scope_ = shared_from_this();
   std::lock_guard<std::mutex> lock(*mutex_);
@@ -351,9 +356,12 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
     TORCH_CHECK(error.empty(), error);
   }
   count(stats_, &OffloadStats::saved_tensors_seen, 1);
-  const bool marked = x.defined() && !marks_.empty() && is_marked_locked(x);
-  if (marked) {
-    count(stats_, &OffloadStats::marked_tensors, 1);
+  Mark* mark = x.defined() && !marks_.empty() ? find_mark_locked(x) : nullptr;
+  if (mark != nullptr) {
+    if (!mark->counted) {
+      mark->counted = true;
+      count(stats_, &OffloadStats::marked_tensors, 1);
+    }
     // Parameters are refused at mark time by the Python shim (only it can tell
     // an nn.Parameter from any leaf that requires grad, such as an embedding
     // output under enable_input_require_grads()).
@@ -445,6 +453,7 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
 }
 
 void OffloadScope::copy_to_host_locked(OffloadRecord& record, const at::Tensor& x) {
+  RECORD_USER_SCOPE("hsoffload::copy_to_host");
   const int64_t bytes = record.bytes();
   const bool on_cpu = x.is_cpu();
   const bool pinned = !on_cpu && config_.pin_memory;
@@ -486,6 +495,7 @@ void OffloadScope::copy_to_host_locked(OffloadRecord& record, const at::Tensor& 
 }
 
 void OffloadScope::spill_locked(OffloadRecord& record, const at::Tensor& x) {
+  RECORD_USER_SCOPE("hsoffload::spill");
   // The I/O thread holds the device bytes until it has copied them to staging, so no allocator bookkeeping is
   // needed; it waits for `produced` on the copy stream before reading them.
   at::Tensor src = byte_view(x.storage(), x.device(), record.begin, record.end);
@@ -503,6 +513,7 @@ void OffloadScope::spill_locked(OffloadRecord& record, const at::Tensor& x) {
 }
 
 void OffloadScope::start_restore_locked(OffloadRecord& record) {
+  RECORD_USER_SCOPE("hsoffload::copy_to_device");
   // Allocated while the compute stream is current so the block belongs to its
   // pool; the side stream waits for the allocation point and for the D2H copy.
   const int64_t bytes = record.bytes();
@@ -574,6 +585,7 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
 }
 
 void OffloadScope::prefetch_before_locked(int64_t seq, int64_t epoch) {
+  RECORD_USER_SCOPE("hsoffload::prefetch");
   // Host copies come back prefetch_depth ahead; spilled ones, slower to read, spill_prefetch_depth ahead.
   int64_t host_issued = 0, spill_issued = 0;
   const auto more = [&] { return host_issued < config_.prefetch_depth || spill_issued < config_.spill_prefetch_depth; };
@@ -598,6 +610,7 @@ void OffloadScope::prefetch_before_locked(int64_t seq, int64_t epoch) {
 }
 
 at::Tensor OffloadScope::restore(const SavedHandle& handle) {
+  RECORD_USER_SCOPE("hsoffload::unpack");
   OffloadRecord& record = *handle.record_;
   std::lock_guard<std::mutex> lock(*record.mutex);
   at::Tensor dev;
@@ -616,7 +629,10 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
       // Raises (naming spill_dir) if the write or the read failed; nothing of this restore is kept then.
       const auto w0 = std::chrono::steady_clock::now();
       const auto read = std::move(record.spill_read);
-      record.h2d_done = read->wait();
+      {
+        RECORD_USER_SCOPE("hsoffload::wait_spill_read");
+        record.h2d_done = read->wait();
+      }
       count(stats_, &OffloadStats::spill_read_wait_ns,
             std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - w0).count());
     }

@@ -2,6 +2,7 @@
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
@@ -248,6 +249,7 @@ std::shared_ptr<SpillFile> SpillStore::write(at::Tensor src, std::shared_ptr<c10
 void SpillStore::run_write(const std::shared_ptr<SpillFile>& file, at::Tensor src,
                            const std::shared_ptr<c10::Event>& produced, const std::optional<c10::Stream>& copy_stream,
                            const at::Tensor& staging) {
+  RECORD_USER_SCOPE("hsoffload::spill_write");
   const int64_t t0 = now_ns();
   const int64_t n = file->bytes();
   std::string error;
@@ -321,6 +323,7 @@ std::shared_ptr<SpillRead> SpillStore::read(std::shared_ptr<SpillFile> file, at:
 void SpillStore::run_read(const std::shared_ptr<SpillFile>& file, const at::Tensor& dst,
                           const std::shared_ptr<c10::Event>& allocated, const std::optional<c10::Stream>& copy_stream,
                           const std::shared_ptr<SpillRead>& read, const at::Tensor& staging) {
+  RECORD_USER_SCOPE("hsoffload::spill_read");
   const int64_t t0 = now_ns();
   std::string error;
   {

@@ -170,7 +170,7 @@ def test_same_tensor_saved_twice_and_views_copied_once(cpu_scope_kwargs):
     with OffloadScope(**cpu_scope_kwargs) as scope:
         f(base).backward()
     s = scope.stats
-    assert s.marked_tensors == 4
+    assert s.marked_tensors == 2  # two marks, each counted once although saved twice
     assert s.offloaded_tensors == 1 and s.offloaded_bytes == 8 * 16 * 4
     assert s.restored_tensors == 4
     assert torch.equal(base.grad, ref.grad)
@@ -319,7 +319,8 @@ def test_nested_scopes(cpu_scope_kwargs):
             yb = (b * b).sum()  # saved under inner: b is too small for it
         ya = (a * a).sum()  # saved under outer again
         ya.add(yb).backward()
-    assert inner.stats.marked_tensors == 2 and inner.stats.skipped_marked_tensors == 2
+    # b is saved twice by mul: one mark, two packs kept in place
+    assert inner.stats.marked_tensors == 1 and inner.stats.skipped_marked_tensors == 2
     assert outer.stats.offloaded_tensors == 1 and outer.stats.restored_tensors == 2
     assert torch.equal(x.grad, ref.grad)
 

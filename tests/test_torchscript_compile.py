@@ -68,9 +68,9 @@ def test_torchscript_mark_survives_dce_and_offloads(cls, cpu_scope_kwargs):
     loss, grads, stats = _grads(module, scripted, x, cpu_scope_kwargs)
     assert torch.equal(loss, ref_loss)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
-    # h is saved by mul and by the Linear's backward (once per storage in host memory).
-    assert stats.marked_tensors >= 1 and stats.offloaded_tensors == 1
-    assert stats.restored_tensors == stats.marked_tensors
+    # h is saved by mul and by the Linear's backward: one mark, one host copy, one restore per save.
+    assert stats.marked_tensors == 1 and stats.offloaded_tensors == 1
+    assert stats.restored_tensors >= stats.marked_tensors
 
 
 def test_torchscript_dce_keeps_mark_after_optimisation():

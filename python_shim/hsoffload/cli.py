@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     bench.add_argument("--plot", default=None, metavar="PNG", help="write a plot (GPU suite: PNG; CPU suite: PNG with -cpu suffix when both run)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--trace", default=None, metavar="FILE", help="also profile one offloaded step (tiny Llama on a CPU; 8B-wide layers at --trace-seq on a GPU) and write its Chrome/Perfetto trace to FILE, and FILE.png: a timeline of copies against compute")
+    bench.add_argument("--trace-seq", type=int, default=None, help="sequence length of the traced step (default 256 on a CPU, 8192 on a GPU)")
     bench.add_argument("--threads", type=int, default=1, help="CPU threads for torch in the CPU suite (default 1, for stable timings on a shared machine)")
     d = bench.add_argument_group("disk suite (spill tier)")
     d.add_argument("--spill-dir", default=None, help="directory the disk suite spills to (default: a temporary directory under $HSOFFLOAD_SPILL_DIR or /tmp)")
@@ -175,6 +177,9 @@ def validate(args: argparse.Namespace) -> None:
         _writable("--json", args.json)
         _writable("--plot", args.plot)
         _at_least(args, "spill_mib", 1)
+        _writable("--trace", args.trace)
+        if args.trace_seq is not None:
+            _at_least(args, "trace_seq", 2)
         if args.spill_dir is not None and not os.path.isdir(args.spill_dir):
             raise UsageError(f"--spill-dir {args.spill_dir!r} is not a directory")
 
@@ -281,6 +286,17 @@ def _bench(args: argparse.Namespace) -> int:
                 print(f"plot: {gpu_plot}")
         if res.get("errors"):
             status = 1
+    if args.trace:
+        from .bench import trace
+
+        device = torch.device("cuda") if "gpu" in suites else torch.device("cpu")
+        seq = args.trace_seq or (8192 if device.type == "cuda" else 256)
+        res = trace.run(args.trace, device=device, seq=seq)
+        results["trace"] = res
+        print(f"trace: {args.trace} (ranges: {', '.join(res['ranges'])})")
+        png = trace.plot(args.trace, args.trace + ".png", title=f"one step, {res['layers']} layers, seq {seq}, {device}")
+        if png:
+            print(f"timeline: {png}")
     if args.json:
         common.write_json(args.json, results)
         print(f"json: {args.json}")

@@ -57,7 +57,7 @@ struct OffloadConfig {
 // Counters. Per scope, and cumulative over the process (`cumulative_stats`).
 struct OffloadStats {
   int64_t saved_tensors_seen = 0;      // every tensor that reached pack
-  int64_t marked_tensors = 0;          // packed tensors that carried a mark
+  int64_t marked_tensors = 0;          // marks whose tensor reached pack (each mark once, however often it is saved)
   int64_t offloaded_tensors = 0;       // marked tensors whose data went to host (dedup: shared storage counts once)
   int64_t restored_tensors = 0;        // unpacks of offloaded tensors
   int64_t skipped_marked_tensors = 0;  // marked but kept in place (CPU, too small, empty, not plain storage)
@@ -160,6 +160,8 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   friend class SavedHandle;
   OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool, std::shared_ptr<HostBudget> budget);
   bool is_marked_locked(const at::Tensor& x);
+  struct Mark;
+  Mark* find_mark_locked(const at::Tensor& x);
   void prune_locked();
   void maybe_prune_locked();
   std::shared_ptr<OffloadRecord> find_record_locked(const c10::StorageImpl* storage, int64_t begin, int64_t end);
@@ -194,6 +196,7 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
     int64_t storage_offset = 0;
     std::vector<int64_t> sizes;
     std::vector<int64_t> strides;
+    bool counted = false;  // marked_tensors counts a mark once, however often autograd saves its tensor
     bool matches(const at::Tensor& x, uint32_t x_version) const;
     bool expired() const { return impl.expired() && storage.expired(); }
   };
