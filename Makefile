@@ -9,7 +9,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 COMPILE_CHECK_TORCH ?= 2.11.0 2.14.1
 
-.PHONY: all venv build install test test-cpp compile-check test-torch214 test-install mutation-check demo bench gpu-check clean
+.PHONY: all venv build install test test-cpp compile-check test-torch214 test-axolotl test-install mutation-check demo bench gpu-check clean
 
 all: test
 
@@ -66,6 +66,20 @@ test-torch214: $(VENV214)/.deps-stamp
 	PATH="$(abspath $(VENV214))/bin:$$PATH" $(VENV214)/bin/python -m pytest -q tests/test_core.py \
 		tests/test_torchscript_compile.py tests/test_loader.py tests/test_transformers_models.py tests/test_patch.py \
 		tests/test_fsdp.py tests/test_axolotl.py tests/test_emu_device.py
+
+# The Axolotl leg of CI: the newest Axolotl that resolves with torch 2.13.0, in a venv of its own, hsoffload built
+# into it; Axolotl's own tests of its hidden-state offload module against hsoffload.axolotl, the differential suite,
+# and `axolotl train` on every CPU config (tests/axolotl_ci). .ci/run calls it last.
+VENVAX ?= .venv-axolotl
+$(VENVAX)/.deps-stamp: requirements/axolotl.txt
+	test -x $(VENVAX)/bin/python || $(PYTHON) -m venv $(VENVAX)
+	$(VENVAX)/bin/python -m pip install -q -r requirements/axolotl.txt
+	touch $@
+
+test-axolotl: $(VENVAX)/.deps-stamp
+	PATH="$(abspath $(VENVAX))/bin:$$PATH" $(VENVAX)/bin/python -m pip install -q --no-build-isolation --no-deps \
+		-C build-dir=build/axolotl .
+	PATH="$(abspath $(VENVAX))/bin:$$PATH" $(VENVAX)/bin/python -m pytest -q -p no:cacheprovider tests/axolotl_ci
 
 demo: install
 	$(VENV)/bin/hsoffload demo

@@ -145,9 +145,10 @@ class CheckpointHiddenStatesOffload(OffloadScope):
 
     def __enter__(self) -> "CheckpointHiddenStatesOffload":
         if self._depth > 0 and entered_on_this_thread(self):
-            # `with ctx: with ctx:` (Axolotl's module accepts it): the inner entry is a no-op, the outer one stays
-            # in charge; a nested entry from another thread is refused by the engine as before.
+            # `with ctx: with ctx:` (Axolotl's module accepts it): the inner entry resets the stats, as Axolotl's
+            # does, and the outer entry's scope stays in charge; from another thread the engine refuses it.
             self._depth += 1
+            self.reset()
             return self
         patch_gradient_checkpointing_layer_marker()
         self.reset()
