@@ -236,6 +236,13 @@ std::shared_ptr<SpillFile> SpillStore::write(at::Tensor src, std::shared_ptr<c10
   const int fd = open_anonymous(dir_, direct);
   TORCH_CHECK(fd >= 0, "hsoffload: cannot create a spill file in spill_dir '", dir_, "': ", std::strerror(errno),
               "; check that the directory still exists and is writable");
+  // Reserve the file's blocks now: the I/O thread's writes then allocate nothing (faster on ext4/xfs), and a disk
+  // without room fails here, in the pack, with the figures. File systems without fallocate just go on.
+  if (::fallocate(fd, 0, 0, round_up(src.numel(), kBlock)) != 0 && (errno == ENOSPC || errno == EDQUOT)) {
+    const std::string message = io_error("spilling a saved tensor of", errno, src.numel(), fd);
+    ::close(fd);
+    TORCH_CHECK(false, message);
+  }
   auto file = std::make_shared<SpillFile>(fd, src.numel(), direct, std::move(errors), open_files_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
