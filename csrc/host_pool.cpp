@@ -150,6 +150,9 @@ HostBlock HostPool::acquire(int64_t bytes, bool pinned) {
     int64_t new_bytes = 0;
     for (int64_t s : sizes) new_bytes += s;
     if (stats_.held_bytes + new_bytes > max_bytes_) {
+      trim_locked(std::max<int64_t>(0, max_bytes_ - new_bytes), /*only_kind=*/!pinned);  // idle slabs of the other kind
+    }
+    if (stats_.held_bytes + new_bytes > max_bytes_) {
       // Over the bound: a buffer of its own, freed on return.
       block.pieces_.push_back(alloc_(need, pinned).narrow(0, 0, bytes));
       block.extents_.push_back(HostBlock::Extent{-1, 0, need});
@@ -248,11 +251,13 @@ void HostPool::reap_pending_locked() {
 // Frees slabs with nothing lent and nothing pending, largest first (fewest frees). Safe without waiting: pinned
 // slabs come from the accelerator's caching host allocator, which records an event for every non-blocking copy
 // and does not reuse a block before that event completes; pageable memory is only copied synchronously.
-void HostPool::trim_locked(int64_t target_bytes) {
+void HostPool::trim_locked(int64_t target_bytes, std::optional<bool> only_kind) {
   reap_pending_locked();
   std::vector<std::pair<int64_t, int64_t>> idle;  // (size, id)
   for (const auto& [id, slab] : slabs_) {
-    if (slab.free_bytes == slab.buffer.numel()) idle.emplace_back(slab.buffer.numel(), id);
+    if (slab.free_bytes == slab.buffer.numel() && (!only_kind || slab.pinned == *only_kind)) {
+      idle.emplace_back(slab.buffer.numel(), id);
+    }
   }
   std::sort(idle.rbegin(), idle.rend());
   for (const auto& [size, id] : idle) {

@@ -588,7 +588,9 @@ void OffloadScope::prefetch_before_locked(int64_t seq, int64_t epoch) {
   RECORD_USER_SCOPE("hsoffload::prefetch");
   // Host copies come back prefetch_depth ahead; spilled ones, slower to read, spill_prefetch_depth ahead.
   int64_t host_issued = 0, spill_issued = 0;
-  const auto more = [&] { return host_issued < config_.prefetch_depth || spill_issued < config_.spill_prefetch_depth; };
+  // Without a spill store there are no spilled records here: stop after the host quota (O(prefetch_depth)).
+  const int64_t spill_depth = spill_ ? config_.spill_prefetch_depth : 0;
+  const auto more = [&] { return host_issued < config_.prefetch_depth || spill_issued < spill_depth; };
   for (auto it = records_.rbegin(); it != records_.rend() && more(); ++it) {
     auto record = it->lock();
     if (!record || record->seq >= seq) {
@@ -598,7 +600,7 @@ void OffloadScope::prefetch_before_locked(int64_t seq, int64_t epoch) {
       break;  // records are in pack order: everything before belongs to an earlier entry
     }
     int64_t& issued = record->spill ? spill_issued : host_issued;
-    if (issued >= (record->spill ? config_.spill_prefetch_depth : config_.prefetch_depth)) {
+    if (issued >= (record->spill ? spill_depth : config_.prefetch_depth)) {
       continue;
     }
     ++issued;

@@ -96,12 +96,13 @@ class SpillFile {
     while (len > 0) {
       const ssize_t n = write ? ::pwrite(fd_, p, len, offset) : ::pread(fd_, p, len, offset);
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && errno == EINVAL && direct_) {
+      const int err = errno;
+      if (n < 0 && err == EINVAL && direct_) {
         direct_ = false;
         const int flags = ::fcntl(fd_, F_GETFL);
         if (flags >= 0 && ::fcntl(fd_, F_SETFL, flags & ~O_DIRECT) == 0) continue;
       }
-      if (n < 0) return errno;
+      if (n < 0) return err;
       if (n == 0) return write ? ENOSPC : EIO;  // no progress: full, or a file shorter than written
       p += n;
       offset += n;
@@ -234,8 +235,12 @@ std::shared_ptr<SpillFile> SpillStore::write(at::Tensor src, std::shared_ptr<c10
   TORCH_INTERNAL_ASSERT(src.scalar_type() == at::kByte && src.dim() == 1 && src.is_contiguous());
   bool direct = false;
   const int fd = open_anonymous(dir_, direct);
-  TORCH_CHECK(fd >= 0, "hsoffload: cannot create a spill file in spill_dir '", dir_, "': ", std::strerror(errno),
-              "; check that the directory still exists and is writable");
+  const int err = errno;
+  TORCH_CHECK(fd >= 0, "hsoffload: cannot create a spill file in spill_dir '", dir_, "': ", std::strerror(err),
+              err == EMFILE || err == ENFILE
+                  ? "; every spilled tensor holds one open file: raise the open-file limit (ulimit -n) or "
+                    "max_host_bytes"
+                  : "; check that the directory still exists and is writable");
   // Reserve the file's blocks now: the I/O thread's writes then allocate nothing (faster on ext4/xfs), and a disk
   // without room fails here, in the pack, with the figures. File systems without fallocate just go on.
   if (::fallocate(fd, 0, 0, round_up(src.numel(), kBlock)) != 0 && (errno == ENOSPC || errno == EDQUOT)) {

@@ -11,7 +11,7 @@
 # the GPU suite) so it can be smoke-tested.
 #
 # Output ($OUT, flat, 8 files at most): summary.txt build.log pytest_gpu.log demo.log demo.png
-# bench.log bench.json bench.png
+# bench.log bench.json bench.png trace.json trace.json.png (one profiled step: copies against compute per layer)
 set -u
 cd "$(dirname "$0")/.."
 
@@ -113,7 +113,7 @@ if [[ "$HAS_CUDA" == 1 ]]; then
     run_step bench_gpu "$left" "$OUT/bench.log" "$PY" -m hsoffload bench --suite gpu --no-progress \
       --layers "${BENCH_LAYERS:-4}" --seqs "${BENCH_SEQS:-8k,32k,128k}" --steps "${BENCH_STEPS:-3}" \
       --warmup 1 --budget-gib "${BENCH_BUDGET_GIB:-40}" --time-limit "$tl" \
-      --json "$OUT/bench.json" --plot "$OUT/bench.png"
+      --json "$OUT/bench.json" --plot "$OUT/bench.png" --trace "$OUT/trace.json"
   fi
 else
   say "no CUDA device: skipping the GPU suite; running the CPU suite (quick) instead"

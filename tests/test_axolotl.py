@@ -368,7 +368,7 @@ def test_plugin_refuses_invalid_values_before_the_model_loads(key: str, value: A
         schema(**{key: value})
 
 
-def test_plugin_messages_reach_axolotls_log_output() -> None:
+def test_plugin_messages_reach_axolotls_log_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """Axolotl shows other libraries' records only from WARNING up; the plugin routes hsoffload's INFO lines into
     the `axolotl` logger tree, whose handlers show INFO. WARNING lines are not duplicated."""
     from hsoffload._logging import ForwardInfo
@@ -379,6 +379,13 @@ def test_plugin_messages_reach_axolotls_log_output() -> None:
         def emit(self, record: logging.LogRecord) -> None:
             seen.append(record)
 
+    class OnlyAxolotlOrWarnings(logging.Filter):  # what Axolotl's root console handler does
+        def filter(self, record: logging.LogRecord) -> bool:
+            return record.name.startswith("axolotl") or record.levelno >= logging.WARNING
+
+    root_console = Collect(logging.NOTSET)
+    root_console.addFilter(OnlyAxolotlOrWarnings())
+    monkeypatch.setattr(logging.getLogger(), "handlers", [root_console])
     axolotl_logger = logging.getLogger("axolotl")
     collect = Collect(logging.INFO)
     old_level, old_propagate = axolotl_logger.level, axolotl_logger.propagate
@@ -393,8 +400,11 @@ def test_plugin_messages_reach_axolotls_log_output() -> None:
         assert sum(isinstance(h, ForwardInfo) for h in hs.handlers) == 1
         hs.info("hsoffload: an info line for the user")
         hs.warning("hsoffload: a warning line")
-        assert [r.getMessage() for r in seen] == ["hsoffload: an info line for the user"]
-        assert seen[0].name == "axolotl.integrations.hsoffload"
+        # The INFO line once, through Axolotl's logger; the WARNING once, through the root console.
+        assert [(r.name, r.getMessage()) for r in seen] == [
+            ("axolotl.integrations.hsoffload", "hsoffload: an info line for the user"),
+            ("hsoffload", "hsoffload: a warning line"),
+        ]
     finally:
         for h in [h for h in hs.handlers if isinstance(h, ForwardInfo)]:
             hs.removeHandler(h)

@@ -87,9 +87,12 @@ def test_auto_budget_is_logged_once_with_its_figures(caplog: pytest.LogCaptureFi
     forget_logged()
     monkeypatch.delenv("HSOFFLOAD_MAX_HOST_BYTES", raising=False)
     hsoffload.set_host_budget(123)
+    with OffloadScope(**CPU):  # max_host_bytes=None: the budget is left as it is
+        pass
+    assert hsoffload.budget_stats().limit == 123 and not hsoffload.budget_stats().is_auto
     with caplog.at_level(logging.INFO, logger="hsoffload"):
         for _ in range(2):
-            with OffloadScope(**CPU):
+            with OffloadScope(max_host_bytes="auto", **CPU):
                 pass
     b = hsoffload.budget_stats()
     assert b.is_auto and b.limit == int(b.mem_available * 0.8) // b.local_world_size

@@ -46,6 +46,8 @@ class ForwardInfo(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno >= logging.WARNING or not self.target.isEnabledFor(record.levelno):
             return
+        if any(record.levelno >= h.level and h.filter(record) for h in logging.getLogger().handlers):
+            return  # the root logger's handlers print it already (it propagates there)
         try:
             copy = logging.makeLogRecord(record.__dict__)
             copy.name = self.target.name

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
     pl.add_argument("--bandwidth", type=float, default=25.0, metavar="GBps", help="host<->device copy bandwidth per rank, GB/s (default 25)")
     pl.add_argument("--tflops", type=float, default=400.0, help="sustained compute per rank, TFLOP/s (default 400)")
-    pl.add_argument("--host-ram-gib", type=float, default=None, help="RAM of one node, GiB (default: this machine's)")
+    pl.add_argument("--host-ram-gib", type=float, default=None, help="available RAM of one node, GiB (default: this machine's MemAvailable)")
     pl.add_argument("--device-gib", type=float, default=80.0, help="memory of one device, GiB (default 80)")
     pl.add_argument("--prefetch-depth", type=int, default=1, help="restores issued ahead in backward (default 1)")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -30,7 +30,7 @@ class PlanInput:
     dtype: str = "bfloat16"
     bandwidth_gbps: float = 25.0  # host <-> device, GB/s per rank
     tflops: float = 400.0  # sustained compute per rank, TFLOP/s
-    host_ram_bytes: Optional[int] = None  # default: this machine's MemTotal
+    host_ram_bytes: Optional[int] = None  # available RAM of one node; default: this machine's MemAvailable
     device_bytes: int = 80 * (1 << 30)
     prefetch_depth: int = 1
 
@@ -50,10 +50,11 @@ def _load_config(path: str) -> Any:
     return transformers.AutoConfig.for_model(model_type, **data)
 
 
-def _mem_total() -> int:
+def _mem_available() -> int:
+    """This machine's MemAvailable: what max_host_bytes=auto starts from."""
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemTotal:"):
+            if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -84,7 +85,7 @@ def plan(inp: PlanInput) -> dict[str, Any]:
     tokens = inp.micro_batch * inp.seq_len
     layer_input = tokens * hidden * dsize  # what one checkpointed layer keeps for backward
     offloaded_per_rank = layers * layer_input
-    host_ram = inp.host_ram_bytes if inp.host_ram_bytes is not None else _mem_total()
+    host_ram = inp.host_ram_bytes if inp.host_ram_bytes is not None else _mem_available()
     budget_node = int(host_ram * 0.8)  # max_host_bytes=auto: 80 % of the node's available RAM, shared by its ranks
     need_node = offloaded_per_rank * local
     host_node = min(need_node, budget_node)

@@ -140,8 +140,9 @@ def parse_bytes(value: Union[int, str], what: str) -> Union[int, str]:
     raise ValueError(f"hsoffload: {what} must be bytes (an int or a string like '64GiB') or 'auto', got {value!r}")
 
 
-def _env_max_host_bytes() -> Union[int, str]:
-    return parse_bytes(os.environ.get("HSOFFLOAD_MAX_HOST_BYTES", "auto"), "HSOFFLOAD_MAX_HOST_BYTES")
+def _env_max_host_bytes() -> Union[int, str, None]:
+    value = os.environ.get("HSOFFLOAD_MAX_HOST_BYTES")
+    return None if value is None else parse_bytes(value, "HSOFFLOAD_MAX_HOST_BYTES")
 
 
 def _env_spill_dir() -> Optional[str]:
@@ -159,14 +160,16 @@ class OffloadConfig:
     prefetch_depth: int = 1
     max_pool_bytes: Optional[int] = None  # process-wide host pool bound, applied when the scope is entered
     # Process-wide bound of offloaded bytes in host memory, applied when the scope is entered: bytes, or "auto"
-    # (80 % of MemAvailable at first use / LOCAL_WORLD_SIZE). Default: $HSOFFLOAD_MAX_HOST_BYTES, else "auto".
-    max_host_bytes: Union[int, str] = dataclasses.field(default_factory=_env_max_host_bytes)
+    # (80 % of MemAvailable at first use / LOCAL_WORLD_SIZE). Default: $HSOFFLOAD_MAX_HOST_BYTES, else None: keep
+    # the process's budget as it is (auto, resolved at first use, unless set_host_budget or a scope set it).
+    max_host_bytes: Union[int, str, None] = dataclasses.field(default_factory=_env_max_host_bytes)
     # Directory for packs over the host budget (None: they stay on the device). Default: $HSOFFLOAD_SPILL_DIR.
     spill_dir: Optional[str] = dataclasses.field(default_factory=_env_spill_dir)
     spill_prefetch_depth: int = 2  # spilled tensors read back ahead of their use in backward
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "max_host_bytes", parse_bytes(self.max_host_bytes, "max_host_bytes"))
+        if self.max_host_bytes is not None:
+            object.__setattr__(self, "max_host_bytes", parse_bytes(self.max_host_bytes, "max_host_bytes"))
         if self.spill_dir is not None:
             if not isinstance(self.spill_dir, (str, os.PathLike)) or not str(self.spill_dir):
                 raise ValueError(f"hsoffload: spill_dir must be a directory path or None, got {self.spill_dir!r}")
@@ -268,9 +271,9 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         if self.config.max_pool_bytes is not None:
             # The host pool is process-wide: the bound applies from this entry on, to every scope.
             torch.classes.hsoffload.OffloadScope.set_pool_limit(self.config.max_pool_bytes)
-        _apply_host_budget(self.config.max_host_bytes)
         self._scope.enter()
         try:
+            _apply_host_budget(self.config.max_host_bytes)
             super().__enter__()
         except BaseException:
             self._scope.exit()
@@ -415,14 +418,16 @@ def set_host_budget(max_host_bytes: Union[int, str]) -> None:
     torch.classes.hsoffload.OffloadScope.set_host_budget(-1 if value == "auto" else int(value))
 
 
-def _apply_host_budget(wanted: Union[int, str]) -> None:
-    """What a scope entry does with its max_host_bytes. "auto" keeps an auto limit resolved at first use (it is
-    not recomputed each step, when MemAvailable already excludes what we offloaded)."""
+def _apply_host_budget(wanted: Union[int, str, None]) -> None:
+    """What a scope entry does with its max_host_bytes. None keeps the budget as it is; "auto" keeps an auto limit
+    resolved at first use (it is not recomputed each step, when MemAvailable already excludes what we offloaded)."""
     now = budget_stats()
-    if wanted == "auto":
-        if not now.is_auto:
+    if wanted is None or wanted == "auto":
+        if wanted == "auto" and not now.is_auto:
             set_host_budget("auto")
             now = budget_stats()
+        if not now.is_auto:
+            return
         log_once(
             "auto-budget",
             logging.INFO,

@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 namespace hsoffload {
@@ -37,7 +38,7 @@ using HostAllocFn = std::function<at::Tensor(int64_t bytes, bool pinned)>;
 at::Tensor default_host_alloc(int64_t bytes, bool pinned);
 
 struct PoolStats {
-  int64_t held_bytes = 0;       // bytes of slabs the pool owns (lent + free), plus unpooled loans
+  int64_t held_bytes = 0;       // bytes of slabs the pool owns (lent + free); unpooled loans are not counted
   int64_t in_use_bytes = 0;     // bytes lent and not yet returned (granule-rounded)
   int64_t cached_bytes = 0;     // free bytes in slabs, ready or waiting for a device event
   int64_t peak_held_bytes = 0;  // high-water mark of held_bytes
@@ -128,7 +129,8 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   void give_back(std::vector<HostBlock::Extent> extents, std::shared_ptr<c10::Event> last_use);
   void free_extent_locked(const HostBlock::Extent& e);
   void reap_pending_locked();
-  void trim_locked(int64_t target_bytes);
+  // Frees idle slabs (of one kind, pinned or not, if given) until held_bytes <= target_bytes.
+  void trim_locked(int64_t target_bytes, std::optional<bool> only_kind = std::nullopt);
   void take_locked(Slab& slab, int64_t slab_id, int64_t offset, int64_t length, HostBlock& block);
 
   mutable std::mutex mutex_;

@@ -151,8 +151,8 @@ class CheckpointHiddenStatesOffload(OffloadScope):
             self.reset()
             return self
         patch_gradient_checkpointing_layer_marker()
+        super().__enter__()  # raises (touching nothing) if the scope is active on another thread
         self.reset()
-        super().__enter__()
         self._depth = 1
         return self
 

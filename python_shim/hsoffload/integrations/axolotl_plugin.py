@@ -10,8 +10,8 @@ In the Axolotl YAML::
     hsoffload_min_offload_size: 1024      # bytes; smaller marked tensors stay on the device
     hsoffload_prefetch_depth: 1           # restores issued ahead of their use in backward
     hsoffload_max_pool_bytes: null        # cap of the pinned host pool (null: unbounded)
-    hsoffload_max_host_bytes: auto        # offloaded bytes in host RAM at once ("64GiB", bytes, or auto:
-                                          # 80% of MemAvailable / LOCAL_WORLD_SIZE)
+    hsoffload_max_host_bytes: null        # offloaded bytes in host RAM at once ("64GiB", bytes, or auto:
+                                          # 80% of MemAvailable / LOCAL_WORLD_SIZE; null: auto unless set)
     hsoffload_spill_dir: null             # local directory for what exceeds it (null: it stays on the GPU)
     hsoffload_spill_prefetch_depth: 2     # spilled tensors read back ahead of their use
     hsoffload_use_streams: true           # copies on side streams
