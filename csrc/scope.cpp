@@ -23,6 +23,7 @@ namespace hsoffload {
 // with the last of them, i.e. with the autograd graph that saved it.
 struct OffloadRecord {
   int64_t seq = 0;  // pack order within the scope
+  int64_t group = 0;  // prefetch group (OffloadScope::begin_group), increasing in pack order
   int64_t epoch = 0;  // the scope entry that packed it
   c10::Device device{c10::kCPU};
   c10::weak_intrusive_ptr<c10::StorageImpl> source{c10::intrusive_ptr<c10::StorageImpl>()};
@@ -426,6 +427,7 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
     return nullptr;
   }
   record->seq = next_seq_++;
+  record->group = open_group_ >= 0 ? open_group_ : next_group_++;
   record->epoch = epoch_;
   record->device = x.device();
   record->source = x.storage().getWeakStorageImpl();
@@ -584,31 +586,57 @@ void OffloadScope::start_restore_locked(OffloadRecord& record) {
   record.host.record_use(record.h2d_done);
 }
 
-void OffloadScope::prefetch_before_locked(int64_t seq, int64_t epoch) {
+void OffloadScope::prefetch_before_locked(const OffloadRecord& current) {
   RECORD_USER_SCOPE("hsoffload::prefetch");
-  // Host copies come back prefetch_depth ahead; spilled ones, slower to read, spill_prefetch_depth ahead.
-  int64_t host_issued = 0, spill_issued = 0;
+  // Host copies come back prefetch_depth groups ahead; spilled ones, slower to read, spill_prefetch_depth groups
+  // ahead. Distance 0 is the rest of the current record's own group (packed before or after it: a layer's
+  // recompute reads its saved tensors in forward order), needed next.
   // Without a spill store there are no spilled records here: stop after the host quota (O(prefetch_depth)).
   const int64_t spill_depth = spill_ ? config_.spill_prefetch_depth : 0;
-  const auto more = [&] { return host_issued < config_.prefetch_depth || spill_issued < spill_depth; };
+  struct Quota {
+    int64_t depth;
+    int64_t last_group;
+    int64_t distance = 0;
+    bool admits(int64_t group) {
+      if (depth == 0) {
+        return false;  // no prefetch of this kind
+      }
+      if (group != last_group) {
+        last_group = group;
+        ++distance;
+      }
+      return distance <= depth;
+    }
+    bool more() const { return depth > 0 && distance <= depth; }
+  };
+  Quota host{config_.prefetch_depth, current.group}, spilled{spill_depth, current.group};
+  const auto more = [&] { return host.more() || spilled.more(); };
   for (auto it = records_.rbegin(); it != records_.rend() && more(); ++it) {
     auto record = it->lock();
-    if (!record || record->seq >= seq) {
-      continue;
+    if (!record || record->group > current.group || record.get() == &current) {
+      continue;  // later groups were restored before (reverse order); the rest of this group comes next
     }
-    if (record->epoch != epoch) {
+    if (record->epoch != current.epoch) {
       break;  // records are in pack order: everything before belongs to an earlier entry
     }
-    int64_t& issued = record->spill ? spill_issued : host_issued;
-    if (issued >= (record->spill ? spill_depth : config_.prefetch_depth)) {
+    if (!(record->spill ? spilled : host).admits(record->group)) {
       continue;
     }
-    ++issued;
     if (record->prefetched.defined() || !record->restored.expired()) {
       continue;
     }
     start_restore_locked(*record);
   }
+}
+
+void OffloadScope::begin_group() {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  open_group_ = next_group_++;
+}
+
+void OffloadScope::end_group() {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  open_group_ = -1;
 }
 
 at::Tensor OffloadScope::restore(const SavedHandle& handle) {
@@ -643,7 +671,7 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
           hit ? 1 : std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
     count(stats_, &OffloadStats::restored_bytes, record.bytes());
     if (config_.prefetch_depth > 0 || config_.spill_prefetch_depth > 0) {
-      prefetch_before_locked(record.seq, record.epoch);
+      prefetch_before_locked(record);
     }
   }
   if (record.h2d_done) {

@@ -34,6 +34,8 @@ TORCH_LIBRARY(hsoffload, m) {
       .def("mark", [](const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x) { mark_in(self, x); })
       .def("is_marked",
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x) { return is_marked(self, x); })
+      .def("begin_group", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->begin_group(); })
+      .def("end_group", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->end_group(); })
       .def("stats", &scope_stats)
       // bytes_written, bytes_read, write_ns, read_ns, files (open now), direct_io of the scope's spill store.
       .def("spill_stats", &scope_spill_stats)

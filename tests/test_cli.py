@@ -83,6 +83,16 @@ def test_bench_cpu_quick_json(tmp_path: Path) -> None:
     methods = {r["method"]: r for r in step["methods"]}
     assert methods["checkpointing"]["available"] and methods["hsoffload"]["available"]
     assert methods["hsoffload"]["counters"]["offloaded_tensors"] > 0
+    # Each policy under its checkpointing setup: it moved bytes and the graph kept fewer on the device than the
+    # same setup's baseline (TRL's rows are skipped on a CPU, with the reason).
+    rows = {(r["setup"], r["method"]): r for r in cpu["policies"]["rows"]}
+    for setup, ours, base in (("full", "hsoffload[hidden_states]", "checkpointing"), ("sac", "hsoffload[sac]", "sac"),
+                              ("none", "hsoffload[all]", "no checkpointing")):
+        assert rows[(setup, ours)]["moved_bytes"] > 0, rows[(setup, ours)]
+        if setup != "sac":  # SAC's cache is not a saved tensor: the timeline cannot see what it keeps
+            assert rows[(setup, ours)]["resident_peak_bytes"] < rows[(setup, base)]["resident_peak_bytes"]
+    assert rows[("sac", "hsoffload[sac]")]["moved_bytes"] > 2 * rows[("full", "hsoffload[hidden_states]")]["moved_bytes"]
+    assert "accelerator" in rows[("none", "trl OffloadActivations")]["reason"]
     assert png.is_file()
 
 

@@ -30,6 +30,7 @@ import torch
 
 from ._logging import log_once as _log_once
 from .scope import OffloadConfig, OffloadScope, current_scope
+from .policy import Policy, marks_layer_inputs
 
 logger = logging.getLogger("hsoffload")
 
@@ -119,17 +120,8 @@ def _report_inactive(layer: torch.nn.Module) -> bool:
             f"nockpt:{name}",
             logging.WARNING,
             "hsoffload: %s runs without gradient checkpointing (checkpointing off, or every_n_layers > 1 skips "
-            "it), so its hidden states are not offloaded; call model.gradient_checkpointing_enable().",
-            name,
-        )
-        return True
-    if torch.compiler.is_compiling():
-        _log_once(
-            "compiled",
-            logging.WARNING,
-            "hsoffload: %s is called inside a torch.compile region: the mark traces as identity and the compiled "
-            "graph unpacks all its saved tensors at the start of its backward, so hidden-state offload has no "
-            "effect there. Compile the layers' inner modules instead of the decoder layers.",
+            "it), so its hidden states are not offloaded; call model.gradient_checkpointing_enable(), or use "
+            "policy='all', which offloads the saved activations of layers that are not checkpointed.",
             name,
         )
         return True
@@ -140,27 +132,32 @@ def _report_inactive(layer: torch.nn.Module) -> bool:
     return False
 
 
-def _pass_hidden_states_marked(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """Return the positional arguments with `hidden_states` marked and first.
+def _pass_hidden_states_first(layer: torch.nn.Module, args: tuple, kwargs: dict, mark: bool) -> tuple:
+    """Return the positional arguments with `hidden_states` first (and marked when `mark`).
 
     A keyword `hidden_states` is moved to the front of the positional arguments (only when the
     layer's forward takes it first), since the checkpoint never saves keyword arguments.
     """
-    mark = torch.ops.hsoffload.mark_hidden_state
+    marker = torch.ops.hsoffload.mark_hidden_state if mark else (lambda t: t)
     if args and isinstance(args[0], torch.Tensor):
-        return (mark(args[0]),) + args[1:]
+        return (marker(args[0]),) + args[1:]
     if not args and isinstance(kwargs.get("hidden_states"), torch.Tensor) and _first_param_is_hidden_states(
         type(layer)
     ):
-        return (mark(kwargs.pop("hidden_states")),)
-    _log_once(
-        f"nohidden:{type(layer).__name__}",
-        logging.WARNING,
-        "hsoffload: %s was called without a hidden_states tensor as first positional argument (or as a keyword "
-        "its forward takes first); nothing to offload for it.",
-        type(layer).__name__,
-    )
+        return (marker(kwargs.pop("hidden_states")),)
+    if mark:
+        _log_once(
+            f"nohidden:{type(layer).__name__}",
+            logging.WARNING,
+            "hsoffload: %s was called without a hidden_states tensor as first positional argument (or as a keyword "
+            "its forward takes first); nothing to offload for it.",
+            type(layer).__name__,
+        )
     return args
+
+
+def _pass_hidden_states_marked(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    return _pass_hidden_states_first(layer, args, kwargs, mark=True)
 
 
 def _report_reentrant_without_grad(layer: torch.nn.Module, args: tuple) -> None:
@@ -176,16 +173,80 @@ def _report_reentrant_without_grad(layer: torch.nn.Module, args: tuple) -> None:
     )
 
 
+def _report_sac_without_context(layer: torch.nn.Module) -> None:
+    _log_once(
+        f"sac-nocontext:{type(layer).__name__}",
+        logging.WARNING,
+        "hsoffload: policy='sac' but %s is checkpointed without a selective context_fn (torch.utils.checkpoint."
+        "create_selective_checkpoint_contexts in gradient_checkpointing_kwargs), so SAC keeps nothing and only its "
+        "hidden_states are offloaded",
+        type(layer).__name__,
+    )
+
+
+def _begin_layer(scope: OffloadScope, layer: torch.nn.Module, args: tuple, kwargs: dict, compiled: bool) -> tuple:
+    """Start a decoder-layer call in `scope`: open its prefetch group and counters, mark what the policy marks.
+    Returns (visit, args); `kwargs` may lose its hidden_states to args."""
+    from .policy import marks_layer_inputs, wrap_context_fn
+
+    visit = scope.layer_tracker.begin(layer, compiled)
+    policy = scope.config.policy
+    if not marks_layer_inputs(policy):
+        return visit, _pass_hidden_states_first(layer, args, kwargs, mark=False)
+    if not visit.offload or _report_inactive(layer):
+        return visit, args
+    if policy == "sac" and not compiled and not wrap_context_fn(layer):
+        _report_sac_without_context(layer)
+    args = _pass_hidden_states_marked(layer, args, kwargs)
+    _report_reentrant_without_grad(layer, args)
+    return visit, args
+
+
+@torch._dynamo.disable
+def _begin_compiled_layer(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """`_begin_layer` for a decoder layer whose __call__ torch.compile traces: run eagerly, in a graph break at the
+    layer's start, so the mark applies to the real input tensor the compiled graph saves."""
+    scope = current_scope()
+    if scope is None:
+        return None, None, args, kwargs
+    kwargs = dict(kwargs)
+    _log_once(
+        "compiled-layer",
+        logging.INFO,
+        "hsoffload: %s.__call__ runs under torch.compile: hsoffload marks its inputs eagerly in a graph break at the "
+        "layer's start and end (one extra graph per layer; whole-model compile is split at every decoder layer)",
+        type(layer).__name__,
+    )
+    visit, args = _begin_layer(scope, layer, args, kwargs, compiled=True)
+    return scope, visit, args, kwargs
+
+
+@torch._dynamo.disable
+def _end_compiled_layer(scope: OffloadScope, visit: Any) -> None:
+    scope.layer_tracker.end(visit)
+
+
 def _make_wrapper(previous: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(previous)
     def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not _state.active or current_scope() is None or not self.training or not torch.is_grad_enabled():
+        if not _state.active or not self.training or not torch.is_grad_enabled():
             return previous(self, *args, **kwargs)
-        if _report_inactive(self):
+        if torch.compiler.is_compiling():
+            # No try/finally here: a graph break inside one makes dynamo run the whole frame eagerly. A call that
+            # raises leaves its visit open until the scope's exit resets it.
+            scope, visit, args, kwargs = _begin_compiled_layer(self, args, kwargs)
+            out = previous(self, *args, **kwargs)
+            if visit is not None:
+                _end_compiled_layer(scope, visit)
+            return out
+        scope = current_scope()
+        if scope is None:
             return previous(self, *args, **kwargs)
-        args = _pass_hidden_states_marked(self, args, kwargs)
-        _report_reentrant_without_grad(self, args)
-        return previous(self, *args, **kwargs)
+        visit, args = _begin_layer(scope, self, args, kwargs, compiled=False)
+        try:
+            return previous(self, *args, **kwargs)
+        finally:
+            scope.layer_tracker.end(visit)
 
     setattr(__call__, _PATCH_ATTR, True)
     return __call__
@@ -221,7 +282,9 @@ def _make_checkpoint_wrapper_forward(previous: Callable[..., Any]) -> Callable[.
         ):
             return previous(self, *args, **kwargs)
         setattr(layer, _WRAPPED_ATTR, True)
-        args = _pass_hidden_states_marked(layer, args, kwargs)  # may move kwargs["hidden_states"] into args
+        scope = current_scope()
+        mark = marks_layer_inputs(scope.config.policy) and scope.layer_tracker.offloads(layer)
+        args = _pass_hidden_states_first(layer, args, kwargs, mark)  # may move kwargs["hidden_states"] into args
         return previous(self, *args, **kwargs)
 
     setattr(forward, _PATCH_ATTR, True)
@@ -318,7 +381,7 @@ def _overriding_classes(layers: list[torch.nn.Module], base: type) -> list[str]:
     return sorted(names)
 
 
-def check_model(model: torch.nn.Module) -> int:
+def check_model(model: torch.nn.Module, policy: Policy = "hidden_states") -> int:
     """Log (once per problem) why offload would do nothing for (part of) `model`; return the number
     of checkpointed layers whose inputs the patch will certainly mark (layers overriding `__call__`
     are not counted)."""
@@ -349,6 +412,8 @@ def check_model(model: torch.nn.Module) -> int:
         else set()
     )
     checkpointed = [m for m in layers if getattr(m, "gradient_checkpointing", False) or id(m) in wrapped]
+    if not marks_layer_inputs(policy):
+        return len(layers)  # "all" and callables need no checkpointing
     if not checkpointed:
         _log_once(
             f"nockptmodel:{type(model).__name__}",
@@ -365,6 +430,35 @@ def check_model(model: torch.nn.Module) -> int:
     return sum(1 for m in checkpointed if m not in bypassed and type(m).__name__ not in overriding_set)
 
 
+def rebind_compiled_layers(model: torch.nn.Module) -> int:
+    """Decoder layers wrapped by `torch.compile(layer)` (Accelerate's regional compilation) before `patch()` bound
+    the stock `__call__`: re-initialise those wrappers so they trace the patched one. Returns how many."""
+    cls = _layer_class()
+    rebound = 0
+    for module in model.modules():
+        inner = getattr(module, "_orig_mod", None)
+        if not isinstance(inner, cls) or not isinstance(module, torch.nn.Module):
+            continue
+        compiled_call = module.__dict__.get("_forward", module.__dict__.get("forward"))
+        target = getattr(getattr(compiled_call, "_torchdynamo_orig_callable", None), "__func__", None)
+        if target is None or getattr(target, _PATCH_ATTR, False) or not is_patched():
+            continue
+        if not hasattr(module, "_initialize"):
+            _log_once(
+                "compiled-before-patch",
+                logging.WARNING,
+                "hsoffload: %s was wrapped by torch.compile before hsoffload.patch() and cannot be re-bound on this "
+                "torch; call hsoffload.patch() before torch.compile, or compile with layer.compile()",
+                type(inner).__name__,
+            )
+            continue
+        module._initialize()
+        rebound += 1
+    if rebound:
+        logger.info("hsoffload: %d compiled decoder layers re-bound to the patched __call__", rebound)
+    return rebound
+
+
 def offload_hidden_states(
     model: Optional[torch.nn.Module] = None, config: Optional[OffloadConfig] = None, **kwargs: Any
 ) -> OffloadScope:
@@ -374,6 +468,9 @@ def offload_hidden_states(
     Pass `model` to have configuration problems reported up front.
     """
     patch()
+    scope = OffloadScope(config, **kwargs)
     if model is not None:
-        check_model(model)
-    return OffloadScope(config, **kwargs)
+        rebind_compiled_layers(model)
+        check_model(model, policy=scope.config.policy)
+        scope.bind_model(model)
+    return scope

@@ -13,6 +13,8 @@ from typing import Any, Optional, Union
 import torch
 
 from ._logging import log_once
+from .policy import LayerStats, LayerTracker, Policy, Selector, pack_sac_value, policy_name, track_module_names
+from .policy import validate_policy
 
 logger = logging.getLogger("hsoffload")
 
@@ -166,15 +168,28 @@ class OffloadConfig:
     # Directory for packs over the host budget (None: they stay on the device). Default: $HSOFFLOAD_SPILL_DIR.
     spill_dir: Optional[str] = dataclasses.field(default_factory=_env_spill_dir)
     spill_prefetch_depth: int = 2  # spilled tensors read back ahead of their use in backward
+    # What is offloaded: "hidden_states", "sac", "all", or a callable (tensor, module_qualified_name) -> bool
+    # (see hsoffload.policy and docs/usage.md, "Offload policies").
+    policy: Policy = "hidden_states"
+    keep_last_layers: int = 0  # the last k decoder layers keep their tensors on the device
+    offload_fraction: float = 1.0  # share of the other decoder layers (the first ones) that offload
+    offload_output_head: bool = False  # policy "all": also the saves outside decoder layers after one ran (the head)
 
     def __post_init__(self) -> None:
+        validate_policy(self.policy)
+        if not isinstance(self.offload_fraction, (int, float)) or isinstance(self.offload_fraction, bool) or not (
+            0.0 <= float(self.offload_fraction) <= 1.0
+        ):
+            raise ValueError(f"hsoffload: offload_fraction must be a number in [0, 1], got {self.offload_fraction!r}")
+        if not isinstance(self.offload_output_head, bool):
+            raise TypeError(f"hsoffload: offload_output_head must be a bool, got {self.offload_output_head!r}")
         if self.max_host_bytes is not None:
             object.__setattr__(self, "max_host_bytes", parse_bytes(self.max_host_bytes, "max_host_bytes"))
         if self.spill_dir is not None:
             if not isinstance(self.spill_dir, (str, os.PathLike)) or not str(self.spill_dir):
                 raise ValueError(f"hsoffload: spill_dir must be a directory path or None, got {self.spill_dir!r}")
             object.__setattr__(self, "spill_dir", os.fspath(self.spill_dir))
-        for name in ("min_offload_size", "prefetch_depth", "spill_prefetch_depth"):
+        for name in ("min_offload_size", "prefetch_depth", "spill_prefetch_depth", "keep_last_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"hsoffload: {name} must be a non-negative int, got {value!r}")
@@ -253,9 +268,21 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         unpack_op = torch.ops.hsoffload.offload_unpack.default
         engine = self._scope
         plain = (torch.Tensor, torch.nn.Parameter)
+        self.layer_tracker = LayerTracker(engine, c.keep_last_layers, float(c.offload_fraction))
+        # Log the per-layer line (once per process) after the first entry that ran decoder layers; integrations that
+        # print their own line set it to False.
+        self.report_layers = True
+        self._selector: Optional[Selector] = None
+        if c.policy != "hidden_states":
+            self._selector = Selector(
+                c.policy, self.layer_tracker, c.min_offload_size, c.offload_cpu_tensors, c.offload_output_head
+            )
+        select = self._selector
 
         def pack_hook(x: torch.Tensor) -> Any:
             if type(x) in plain:
+                if select is not None and type(x) is torch.Tensor and select(x):
+                    engine.mark(x)
                 return pack_op(x, scope_id)
             return _pack_subclass(engine, x, scope_id)
 
@@ -267,7 +294,47 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         self.unpack_hook = unpack_hook
         super().__init__(pack_hook, unpack_hook)
 
+    def bind_model(self, model: torch.nn.Module) -> "OffloadScope":
+        """Tell the scope which model it serves: the order of its decoder layers (for keep_last_layers and
+        offload_fraction, and the names in `layer_stats`), its buffers (never offloaded by policy "all"), and for a
+        callable policy the qualified names of its modules. Returns the scope."""
+        try:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+        except ImportError:
+            GradientCheckpointingLayer = None
+        if GradientCheckpointingLayer is not None:
+            self.layer_tracker.bind(model, GradientCheckpointingLayer)
+        if self._selector is not None:
+            for buf in model.buffers():
+                self._selector.excluded.add(buf)
+        if callable(self.config.policy):
+            track_module_names(model)
+        return self
+
+    @property
+    def layer_stats(self) -> dict[str, LayerStats]:
+        """Per decoder layer (qualified name): chosen by the layer budget or not, calls, tensors and bytes offloaded."""
+        return {k: dataclasses.replace(v) for k, v in self.layer_tracker.layers.items()}
+
+    def pack_sac_entry(self, value: Any) -> Any:
+        """Policy "sac": a value torch's selective-checkpoint cache stores, with its tensors handed to the engine."""
+        c = self.config
+
+        def pack_tensor(t: torch.Tensor) -> Optional[torch.Tensor]:
+            if (t.is_cpu and not c.offload_cpu_tensors) or t.numel() * t.element_size() < c.min_offload_size:
+                return None
+            self._scope.mark(t)
+            return torch.ops.hsoffload.offload_pack(t, self.id)
+
+        return pack_sac_value(value, pack_tensor)
+
     def __enter__(self) -> "OffloadScope":
+        if self.layer_tracker.budgeted and not self.layer_tracker.bound:
+            raise ValueError(
+                "hsoffload: keep_last_layers/offload_fraction need the model's decoder layers; create the scope with "
+                "hsoffload.offload_hidden_states(model, ...) or call scope.bind_model(model) before entering it"
+            )
+        self.layer_tracker.reset_entry()
         if self.config.max_pool_bytes is not None:
             # The host pool is process-wide: the bound applies from this entry on, to every scope.
             torch.classes.hsoffload.OffloadScope.set_pool_limit(self.config.max_pool_bytes)
@@ -300,8 +367,23 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             stack = getattr(_tls, "stack", [])
             if self in stack:  # at most once: entering an active scope again is refused
                 stack.remove(self)
+        layers_ran = self.layer_tracker.layer_ran
+        self.layer_tracker.reset_entry()
         if exc_type is None:
             self._report_if_ineffective()
+            if self.report_layers and layers_ran:
+                self.report_layers = False
+                log_once(
+                    "layer-summary",
+                    logging.INFO,
+                    "hsoffload: policy=%s per layer: %s",
+                    policy_name(self.config.policy),
+                    self.layer_summary(),
+                )
+
+    def layer_summary(self) -> str:
+        """One line: what each decoder layer sent to the host, or that the layer budget kept it."""
+        return self.layer_tracker.summary()
 
     def _report_if_ineffective(self) -> None:
         stats = OffloadStats.from_list(self._scope.stats())  # the engine's counters, whatever a subclass reports

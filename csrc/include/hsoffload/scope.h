@@ -149,6 +149,13 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // Number of marks and records currently tracked (for leak tests).
   int64_t tracked_state() const;
 
+  // Prefetch groups: packs between begin_group() and end_group() form one group (a decoder layer's saved tensors),
+  // and prefetch_depth / spill_prefetch_depth count groups instead of single tensors: when backward restores a
+  // tensor of group g, the rest of g and the groups g-1 .. g-depth are brought back. Outside a group every
+  // offloaded tensor is a group of its own. begin_group() while a group is open starts the next one.
+  void begin_group();
+  void end_group();
+
   // The scope on top of this thread's stack, or null.
   static std::shared_ptr<OffloadScope> current();
   // Process-unique id of this scope (never reused), and the live scope with a
@@ -167,7 +174,7 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   std::shared_ptr<OffloadRecord> find_record_locked(const c10::StorageImpl* storage, int64_t begin, int64_t end);
   std::shared_ptr<OffloadRecord> offload_locked(const at::Tensor& x, int64_t begin, int64_t end);
   at::Tensor restore(const SavedHandle& handle);
-  void prefetch_before_locked(int64_t seq, int64_t epoch);
+  void prefetch_before_locked(const OffloadRecord& current);
   void start_restore_locked(OffloadRecord& record);
   void copy_to_host_locked(OffloadRecord& record, const at::Tensor& x);
   void spill_locked(OffloadRecord& record, const at::Tensor& x);
@@ -209,6 +216,8 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // matches.
   std::unordered_multimap<const c10::StorageImpl*, std::weak_ptr<OffloadRecord>> by_storage_;
   int64_t next_seq_ = 0;
+  int64_t next_group_ = 0;  // groups in pack order (see begin_group)
+  int64_t open_group_ = -1;  // the group new records join, or -1: each record its own group
   // Incremented by enter(): prefetch stays within the records of one entry, so
   // one graph's backward does not pull another graph's tensors onto the device.
   int64_t epoch_ = 0;

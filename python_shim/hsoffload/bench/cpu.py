@@ -6,6 +6,8 @@
    against a pure-Python saved_tensors_hooks pair that does the same work.
 3. `step`: a tiny Llama step: time spent in the hooks as a share of the step, and step time side by
    side for the methods that run on a CPU.
+4. `policies`: each offload policy under its checkpointing setup against that setup's baseline and the peers
+   (`bench/policies.py`).
 
 On a CPU the "device" is the CPU itself, so hsoffload runs with `offload_cpu_tensors=True` to make
 it copy bytes; the absolute times describe this machine only, the ratios are measured side by side.
@@ -327,7 +329,7 @@ def dataclasses_asdict(obj: Any) -> dict[str, Any]:
 
 
 def run(quick: bool, progress_enabled: bool = True, parts: Optional[list[str]] = None) -> dict[str, Any]:
-    parts = parts or ["pool", "hook_calls", "step"]
+    parts = parts or ["pool", "hook_calls", "step", "policies"]
     warmup, steps = (1, 3) if quick else (2, 9)
     total = 0
     if "pool" in parts:
@@ -336,6 +338,8 @@ def run(quick: bool, progress_enabled: bool = True, parts: Optional[list[str]] =
         total += 3
     if "step" in parts:
         total += (warmup + steps) * (1 + 3)
+    if "policies" in parts:
+        total += (3 if quick else 9) * 8
     progress = Progress(total, "hsoffload bench cpu", progress_enabled)
     torch.manual_seed(0)
     out: dict[str, Any] = {"suite": "cpu", "quick": quick, "environment": common.environment()}
@@ -346,6 +350,10 @@ def run(quick: bool, progress_enabled: bool = True, parts: Optional[list[str]] =
             out["hook_calls"] = bench_hook_calls(quick, progress)
         if "step" in parts:
             out["step"] = bench_step(quick, progress)
+        if "policies" in parts:
+            from . import policies
+
+            out["policies"] = policies.run(quick, progress)
     finally:
         progress.close()
         gc.collect()
@@ -393,6 +401,10 @@ def report(result: dict[str, Any]) -> str:
                 off = r["counters"].get("offloaded_bytes")
                 rows.append([r["method"], ff(r["step_ms"]), ff(r["vs_checkpointing"]), fb(off) if off else ""])
         parts.append(common.table(["method", "step ms", "x ckpt", "offloaded/step or note"], rows, "CPU step time side by side"))
+    if "policies" in result:
+        from . import policies
+
+        parts.append(policies.report(result["policies"]))
     if "pool" in result:
         p = result["pool"]
         verdict = "meets" if p["meets_goal"] else "MISSES"

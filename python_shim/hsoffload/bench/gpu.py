@@ -416,6 +416,16 @@ def run(args: argparse.Namespace, progress_enabled: bool = True) -> dict[str, An
                 _fits(args, result, key, model, shape, rows, device, deadline, progress, fit_layers)
                 save()
         _fits(args, result, peers, model, shape, rows, device, deadline, progress, fit_layers)
+        if time.monotonic() + 60 < deadline:
+            # The CPU suite's policy rows, on this GPU (a tiny model, seconds): each offload policy under its
+            # checkpointing setup against the baseline, TRL's OffloadActivations and save_on_cpu.
+            from . import policies
+
+            del model
+            _cleanup()
+            progress.note("policies")
+            result["policies"] = policies.run(False, Progress(0, "", False), device=device, seq=8192)
+            save()
     except Exception as exc:  # report what was measured before the failure
         logger.exception("hsoffload bench: the GPU suite stopped early")
         result["errors"].append({"method": None, "seq": None, "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
@@ -527,6 +537,10 @@ def report(result: dict[str, Any]) -> str:
     peak = result.get("copy_peak")
     if peak:
         lines.append(f"pinned-copy peak: D2H {peak['d2h_gbps']:.1f} GB/s, H2D {peak['h2d_gbps']:.1f} GB/s")
+    if result.get("policies"):
+        from . import policies
+
+        lines.append(policies.report(result["policies"]))
     summ = {(s["method"], s["seq"]): s for s in result.get("summary", [])}
     rows = []
     for r in result.get("runs", []):

@@ -16,6 +16,11 @@ In the Axolotl YAML::
     hsoffload_spill_prefetch_depth: 2     # spilled tensors read back ahead of their use
     hsoffload_use_streams: true           # copies on side streams
     hsoffload_offload_cpu_tensors: false  # also copy CPU tensors (CPU smoke runs; no benefit otherwise)
+    hsoffload_policy: hidden_states       # or sac (plus what selective checkpointing keeps) or all (every saved
+                                          # activation; works without gradient_checkpointing)
+    hsoffload_keep_last_layers: 0         # the last k decoder layers keep their tensors on the GPU
+    hsoffload_offload_fraction: 1.0       # share of the other decoder layers (the first ones) that offload
+    hsoffload_offload_output_head: false  # policy all: also the output head's saved tensors
 
 What it does once Axolotl has built its trainer (`post_trainer_create`): it turns Axolotl's own
 offload context for that mode into a no-op, puts torch's reentrant `CheckpointFunction` back if
@@ -31,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch.utils.checkpoint
 
@@ -64,6 +69,10 @@ KEYS: dict[str, tuple[type, str]] = {
     "hsoffload_spill_prefetch_depth": (int, "an int >= 0"),
     "hsoffload_use_streams": (bool, "true or false"),
     "hsoffload_offload_cpu_tensors": (bool, "true or false"),
+    "hsoffload_policy": (str, "hidden_states, sac or all"),
+    "hsoffload_keep_last_layers": (int, "an int >= 0"),
+    "hsoffload_offload_fraction": (float, "a number from 0 to 1"),
+    "hsoffload_offload_output_head": (bool, "true or false"),
 }
 
 try:
@@ -80,6 +89,10 @@ try:
         hsoffload_spill_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
         hsoffload_use_streams: Optional[StrictBool] = None
         hsoffload_offload_cpu_tensors: Optional[StrictBool] = None
+        hsoffload_policy: Optional[Literal["hidden_states", "sac", "all"]] = None
+        hsoffload_keep_last_layers: Optional[StrictInt] = Field(default=None, ge=0)
+        hsoffload_offload_fraction: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+        hsoffload_offload_output_head: Optional[StrictBool] = None
 
 except ImportError:  # pragma: no cover - pydantic ships with Axolotl
     HsOffloadArgs = None  # type: ignore[assignment,misc]
@@ -99,8 +112,9 @@ def validate_config(cfg: Any) -> None:
 
     for key in _cfg_keys(cfg):
         if key.startswith("hsoffload_") and key not in KEYS:
-            close = difflib.get_close_matches(key, KEYS, n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; known keys: {', '.join(KEYS)}"
+            prefix = len("hsoffload_")  # compare what follows the common prefix, which would make anything "close"
+            close = difflib.get_close_matches(key[prefix:], [k[prefix:] for k in KEYS], n=1)
+            hint = f"; did you mean hsoffload_{close[0]}?" if close else f"; known keys: {', '.join(KEYS)}"
             raise ValueError(f"hsoffload plugin: unknown Axolotl config key {key}{hint}")
     for key, (kind, allowed) in KEYS.items():
         value = _cfg_get(cfg, key)
@@ -112,6 +126,10 @@ def validate_config(cfg: Any) -> None:
                 ok = True
             except ValueError:
                 ok = False
+        elif key == "hsoffload_policy":
+            ok = value in ("hidden_states", "sac", "all")
+        elif kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
         elif kind is str:
             ok = isinstance(value, str) and bool(value)
         else:
@@ -159,6 +177,10 @@ def offload_config(cfg: Any) -> OffloadConfig:
         "max_host_bytes": _cfg_get(cfg, "hsoffload_max_host_bytes"),
         "spill_dir": _cfg_get(cfg, "hsoffload_spill_dir"),
         "spill_prefetch_depth": _cfg_get(cfg, "hsoffload_spill_prefetch_depth"),
+        "policy": _cfg_get(cfg, "hsoffload_policy"),
+        "keep_last_layers": _cfg_get(cfg, "hsoffload_keep_last_layers"),
+        "offload_fraction": _cfg_get(cfg, "hsoffload_offload_fraction"),
+        "offload_output_head": _cfg_get(cfg, "hsoffload_offload_output_head"),
     }
     return OffloadConfig(**{k: v for k, v in values.items() if v is not None})
 
@@ -207,10 +229,11 @@ class HsOffloadPlugin(BasePlugin):
     def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
         if not is_enabled(cfg):
             return
-        if not _cfg_get(cfg, "gradient_checkpointing"):
+        if not _cfg_get(cfg, "gradient_checkpointing") and _cfg_get(cfg, "hsoffload_policy") != "all":
             logger.warning(
                 "hsoffload: activation_offloading: hidden_states needs gradient_checkpointing: true; without it "
-                "there are no checkpointed hidden states to offload"
+                "there are no checkpointed hidden states to offload (or set hsoffload_policy: all, which offloads "
+                "every saved activation)"
             )
         if hasattr(trainer, _AXOLOTL_CONTEXT_ATTR):
             setattr(trainer, _AXOLOTL_CONTEXT_ATTR, contextlib.nullcontext())

@@ -33,8 +33,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..patch import check_model, patch
+from ..patch import check_model, patch, rebind_compiled_layers
 from ..scope import OffloadConfig, OffloadScope, OffloadStats
+from ..policy import policy_name
 
 logger = logging.getLogger("hsoffload")
 
@@ -71,6 +72,8 @@ class _TrainerOffload:
     scope: OffloadScope
     logged: OffloadStats = dataclasses.field(default_factory=OffloadStats)
     checked: bool = False
+    reported: bool = False
+    layers: Optional[int] = None
 
     def first_step(self, trainer: Any) -> None:
         if self.checked:
@@ -78,20 +81,35 @@ class _TrainerOffload:
         self.checked = True
         patch()
         model = getattr(trainer, "model", None)
-        layers = check_model(model) if isinstance(model, torch.nn.Module) else None
+        layers = None
+        if isinstance(model, torch.nn.Module):
+            rebind_compiled_layers(model)  # layers compiled at prepare time, before patch()
+            layers = check_model(model, policy=self.scope.config.policy)
+            self.scope.bind_model(model)
+        self.scope.report_layers = False  # the trainer logs the per-layer line itself, after the first step
         _report_competing_offload(trainer)
+        self.layers = layers
+
+    def after_step(self, trainer: Any) -> None:
+        """Once per run, after the first step: what is on, and what each decoder layer offloaded (one line)."""
+        if self.reported:
+            return
+        self.reported = True
         c = self.scope.config
-        # Once per run, where the trainer's users look: transformers' own logger (its handler and verbosity),
-        # at WARNING, the level transformers shows by default.
+        # Where the trainer's users look: transformers' own logger (its handler and verbosity), at WARNING, the
+        # level transformers shows by default.
         logging.getLogger("transformers.hsoffload").warning(
-            "hsoffload: hidden-state offload on for %s (%s decoder layers; min_offload_size=%d, prefetch_depth=%d, "
-            "max_host_bytes=%s, spill_dir=%s); counters in the logs as hsoffload/*",
+            "hsoffload: hidden-state offload on for %s (policy=%s, %s decoder layers; min_offload_size=%d, "
+            "prefetch_depth=%d, max_host_bytes=%s, spill_dir=%s); first step per layer: %s; counters in the logs "
+            "as hsoffload/*",
             type(trainer).__name__,
-            layers if layers is not None else "?",
+            policy_name(c.policy),
+            self.layers if self.layers is not None else "?",
             c.min_offload_size,
             c.prefetch_depth,
             c.max_host_bytes,
             c.spill_dir,
+            self.scope.layer_summary() or "no decoder layer ran",
         )
 
     def log_values(self) -> dict[str, float]:
@@ -161,7 +179,9 @@ class HiddenStateOffloadMixin:
         state = _state(self)
         state.first_step(self)
         with state.scope:
-            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+            out = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        state.after_step(self)
+        return out
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if _is_training_log(logs):

@@ -1,0 +1,326 @@
+"""Offload policies ("hidden_states", "sac", "all", callables) and the layer budget: bitwise parity with the same
+training without offload on tiny real models, counters that prove what moved, and the errors and logs around them."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import hf_tiny as H
+import hsoffload
+from hsoffload._logging import forget_logged
+
+FAMILIES = ("llama", "qwen3", "mistral")
+aten = torch.ops.aten
+# What SAC keeps in these tests: matmul outputs (Axolotl's and torchtitan's usual choice); the rest is recomputed.
+SAC_OPS = [aten.mm.default, aten.bmm.default, aten.addmm.default]
+
+
+def _kwargs(**extra: object) -> dict:
+    return {"offload_cpu_tensors": True, "min_offload_size": 0, **extra}
+
+
+def _sac_checkpointing(model: torch.nn.Module, counter: list | None = None) -> None:
+    """Non-reentrant checkpointing with a selective context_fn; `counter` collects the tensors SAC saves."""
+
+    def policy(ctx, op, *args, **kwargs):  # noqa: ANN001
+        if op in SAC_OPS:
+            if counter is not None and not ctx.is_recompute:
+                counter.append(1)
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
+    model.train()
+
+
+def _parity(model: torch.nn.Module, **scope_kwargs: object) -> list[hsoffload.OffloadStats]:
+    twin = H.twin(model)
+    data = H.batches(3)
+    ours = H.train_steps(model, data, offload=True, scope_kwargs=_kwargs(**scope_kwargs))
+    ref = H.train_steps(twin, data, offload=False)
+    H.assert_bitwise_equal(ours, ref)
+    return ours[2]
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+def test_bad_policy_and_budget_values_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match="policy must be one of 'hidden_states', 'sac', 'all' or a callable"):
+        hsoffload.OffloadConfig(policy="everything")
+    with pytest.raises(ValueError, match=r"offload_fraction must be a number in \[0, 1\]"):
+        hsoffload.OffloadConfig(offload_fraction=1.5)
+    with pytest.raises(ValueError, match="keep_last_layers must be a non-negative int"):
+        hsoffload.OffloadConfig(keep_last_layers=-1)
+
+
+def test_layer_budget_without_the_model_says_to_pass_it():
+    scope = hsoffload.OffloadScope(keep_last_layers=1)
+    with pytest.raises(ValueError, match=r"offload_hidden_states\(model, \.\.\.\) or call scope.bind_model"):
+        with scope:
+            pass
+
+
+# ------------------------------------------------------------------------------------------------ policy "all"
+
+
+def _saved_activation_bytes(model: torch.nn.Module, batch: dict) -> int:
+    """Bytes of every distinct storage autograd saves in one step, parameters, buffers and their views excepted."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen: dict[int, int] = {}
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        ptr = x.untyped_storage().data_ptr()
+        if ptr not in params and x.numel() > 0:
+            seen[ptr] = max(seen.get(ptr, 0), x.untyped_storage().nbytes())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_all_without_checkpointing_is_bitwise_and_offloads_95_percent_of_saved_bytes(family):
+    model = H.tiny_model(family)
+    total = _saved_activation_bytes(H.twin(model), H.batches(1)[0])
+    stats = _parity(model, policy="all", offload_output_head=True)
+    assert all(s.offloaded_bytes >= 0.95 * total for s in stats), (stats[0].offloaded_bytes, total)
+    assert all(s.restored_tensors >= s.offloaded_tensors for s in stats)
+    assert stats[0].prefetch_hits > 0
+
+
+def test_all_leaves_the_output_head_on_the_device_unless_asked():
+    model = H.tiny_model("llama")
+    without = _parity(H.twin(model), policy="all")[0]
+    with_head = _parity(model, policy="all", offload_output_head=True)[0]
+    # The head saves the final hidden states (B*S*H fp32) and the logits' softmax (B*S*V fp32) at least.
+    head_bytes = H.BATCH * H.SEQ * (32 + H.VOCAB) * 4
+    assert with_head.offloaded_bytes - without.offloaded_bytes >= head_bytes
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_all_with_checkpointing_offloads_the_checkpoint_inputs(reentrant):
+    model = H.tiny_model("llama")
+    H.enable_checkpointing(model, reentrant)
+    stats = _parity(model, policy="all")
+    # Checkpointing keeps only each layer's tensor inputs: its hidden states (cos/sin come as keywords, which the
+    # checkpoint closes over); outside the layers the embedding saves its input_ids. Nothing is offloaded while
+    # backward recomputes.
+    assert all(s.offloaded_tensors == H.LAYERS + 1 for s in stats), stats[0]
+
+
+def test_all_never_selects_parameters_buffers_or_their_views():
+    model = H.tiny_model("llama")
+    scope = hsoffload.offload_hidden_states(model, **_kwargs(policy="all"))
+    select = scope._selector
+    weight = model.model.layers[0].mlp.up_proj.weight
+    buffer = next(model.buffers())
+    assert not select(weight) and not select(weight.t()) and not select(weight[0])
+    assert not select(buffer) and not select(buffer[None])
+    assert select(torch.randn(4, 32)) and select(torch.randn(4, 32, requires_grad=True) * 2)
+    small = hsoffload.offload_hidden_states(model, policy="all", offload_cpu_tensors=True, min_offload_size=1024)
+    assert not small._selector(torch.randn(255)) and small._selector(torch.randn(256))
+    cpu_off = hsoffload.offload_hidden_states(model, policy="all", min_offload_size=0)
+    assert not cpu_off._selector(torch.randn(256))  # CPU tensors only with offload_cpu_tensors
+
+
+def test_all_skips_parameter_views_with_lora():
+    peft = pytest.importorskip("peft")
+    model = H.tiny_model("llama")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    stats = _parity(model, policy="all", offload_output_head=True)
+    assert stats[0].offloaded_tensors > 0
+
+
+# ------------------------------------------------------------------------------------------------ policy "sac"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sac_offloads_what_sac_keeps_plus_the_hidden_states_bitwise(family):
+    model = H.tiny_model(family)
+    saved: list[int] = []
+    _sac_checkpointing(model, saved)
+    stats = _parity(model, policy="sac")
+    per_step = len(saved) // 6  # 3 steps of the model and of its twin (a deepcopy shares the policy function)
+    assert per_step > H.LAYERS
+    assert all(s.offloaded_tensors == per_step + H.LAYERS for s in stats), (stats[0].offloaded_tensors, per_step)
+    assert all(s.prefetch_hits > 0 for s in stats)
+
+
+def test_sac_with_lora_is_bitwise():
+    peft = pytest.importorskip("peft")
+    model = H.tiny_model("qwen3")
+    _sac_checkpointing(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"]))
+    model.enable_input_require_grads()
+    stats = _parity(model, policy="sac")
+    assert stats[0].offloaded_tensors > H.LAYERS
+
+
+def test_sac_under_full_checkpointing_offloads_hidden_states_and_says_why(caplog):
+    forget_logged()
+    model = H.tiny_model("llama")
+    H.enable_checkpointing(model, reentrant=False)
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        stats = _parity(model, policy="sac")
+    assert all(s.offloaded_tensors == H.LAYERS for s in stats)
+    assert any("without a selective context_fn" in r.getMessage() for r in caplog.records)
+
+
+class _MutatingLayer:
+    """A decoder layer whose SAC-cached matmul output is modified in place after SAC cached it."""
+
+
+def _mutating_layer() -> torch.nn.Module:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Mutating(GradientCheckpointingLayer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16, bias=False)
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            y = torch.mm(hidden_states, self.lin.weight)
+            y.mul_(2.0)  # the tensor SAC cached changes afterwards
+            return torch.sin(y)
+
+    torch.manual_seed(0)
+    layer = Mutating()
+    layer.gradient_checkpointing = True
+    layer._gradient_checkpointing_func = functools.partial(
+        torch.utils.checkpoint.checkpoint,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, [aten.mm.default]),
+    )
+    return layer
+
+
+def test_sac_entry_mutated_in_place_raises_with_and_without_offload():
+    x = torch.randn(8, 16, requires_grad=True)
+    layer = _mutating_layer()
+    with pytest.raises(RuntimeError, match="mutated"):
+        layer(x).sum().backward()
+    hsoffload.patch()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*hsoffload"):
+        with hsoffload.OffloadScope(**_kwargs(policy="sac")) as scope:
+            layer(x).sum().backward()
+    assert scope.stats.offloaded_tensors == 2  # the input and the cached mm output
+
+
+def test_sac_allow_cache_entry_mutation_is_not_offloaded_and_logged(caplog):
+    forget_logged()
+    x = torch.randn(8, 16, requires_grad=True)
+    layer = _mutating_layer()
+    layer._gradient_checkpointing_func = functools.partial(
+        torch.utils.checkpoint.checkpoint,
+        use_reentrant=False,
+        context_fn=functools.partial(
+            create_selective_checkpoint_contexts, [aten.mm.default], allow_cache_entry_mutation=True
+        ),
+    )
+    hsoffload.patch()
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        with hsoffload.OffloadScope(**_kwargs(policy="sac")) as scope:
+            layer(x).sum().backward()
+    assert scope.stats.offloaded_tensors == 1  # only the input
+    assert any("allow_cache_entry_mutation=True" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------------------------------------ callables
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_callable_policy_sees_module_names_and_offloads_what_it_picks(family):
+    model = H.tiny_model(family)
+    picked: list[str] = []
+
+    def mlp_only(t: torch.Tensor, name: str) -> bool:
+        if ".mlp" in name:
+            picked.append(name)
+            return True
+        return False
+
+    stats = _parity(model, policy=mlp_only)
+    assert picked and all(".mlp" in n for n in picked)
+    assert {n.split(".mlp")[0] for n in picked} == {f"model.layers.{i}" for i in range(H.LAYERS)}
+    assert 0 < stats[0].offloaded_tensors <= len(picked) // 3
+
+
+# ------------------------------------------------------------------------------------------------ layer budget
+
+
+def test_keep_last_layers_and_offload_fraction_choose_layers_and_say_so(caplog):
+    forget_logged()
+    model = H.tiny_model("llama", layers=4)
+    H.enable_checkpointing(model, reentrant=False)
+    with caplog.at_level(logging.INFO, logger="hsoffload"):
+        stats = _parity(model, keep_last_layers=1)
+    assert all(s.offloaded_tensors == 3 for s in stats)
+    lines = [r.getMessage() for r in caplog.records if "per layer" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "model.layers.3: kept (layer budget)" in lines[0] and "model.layers.0: 1 tensors" in lines[0]
+
+    with hsoffload.offload_hidden_states(model, **_kwargs(offload_fraction=0.5)) as scope:
+        model(**H.batches(1)[0]).loss.backward()
+    layers = scope.layer_stats
+    assert [layers[f"model.layers.{i}"].offloaded for i in range(4)] == [True, True, False, False]
+    assert [layers[f"model.layers.{i}"].offloaded_tensors for i in range(4)] == [1, 1, 0, 0]
+
+
+def test_layer_budget_applies_to_policy_all_without_checkpointing():
+    model = H.tiny_model("mistral", layers=4)
+    full = _parity(H.twin(model), policy="all")[0]
+    with hsoffload.offload_hidden_states(model, **_kwargs(policy="all", keep_last_layers=2)) as scope:
+        model(**H.batches(1)[0]).loss.backward()
+    layers = scope.layer_stats
+    assert layers["model.layers.3"].offloaded_tensors == 0 and layers["model.layers.2"].offloaded_tensors == 0
+    assert layers["model.layers.0"].offloaded_tensors > 0
+    assert scope.stats.offloaded_bytes < full.offloaded_bytes
+
+
+def test_selected_layers_takes_the_first_share_before_the_kept_ones():
+    from hsoffload.policy import selected_layers
+
+    assert selected_layers(8, 2, 1.0) == [True] * 6 + [False] * 2
+    assert selected_layers(8, 0, 0.5) == [True] * 4 + [False] * 4
+    assert selected_layers(8, 2, 0.5) == [True] * 3 + [False] * 5
+    assert selected_layers(3, 5, 1.0) == [False] * 3
+    assert selected_layers(4, 0, 0.0) == [False] * 4
+
+
+# ------------------------------------------------------------------------------------------------ prefetch groups
+
+
+def test_prefetch_groups_bring_back_a_whole_layer_ahead():
+    """Backward of a SAC layer reads its cache in forward order; a group prefetch covers the rest of the layer and
+    the layer before it, per-tensor prefetch only the tensor packed before."""
+
+    def run(grouped: bool) -> int:
+        engine = torch.classes.hsoffload.OffloadScope(0, True, False, False, 1)
+        engine.enter()
+        try:
+            tensors = [torch.randn(64) for _ in range(4)]
+            handles = []
+            for i, t in enumerate(tensors):
+                if grouped and i % 2 == 0:
+                    engine.begin_group()  # groups {0, 1} and {2, 3}
+                engine.mark(t)
+                handles.append(torch.ops.hsoffload.offload_pack(t, engine.id()))
+            engine.end_group()
+            for i in (2, 3, 0, 1):  # layer 1 then layer 0, each in forward order
+                assert torch.equal(torch.ops.hsoffload.offload_unpack(handles[i]), tensors[i])
+            return int(engine.stats()[7])  # prefetch_hits
+        finally:
+            engine.exit()
+
+    assert run(grouped=True) == 3
+    assert run(grouped=False) < 3
