@@ -238,9 +238,12 @@ def test_sac_allow_cache_entry_mutation_is_not_offloaded_and_logged(caplog):
 # ------------------------------------------------------------------------------------------------ callables
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ("llama-lora",))
 def test_callable_policy_sees_module_names_and_offloads_what_it_picks(family):
-    model = H.tiny_model(family)
+    model = H.tiny_model(family.split("-")[0])
+    if family.endswith("lora"):
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj"]))
     picked: list[str] = []
 
     def mlp_only(t: torch.Tensor, name: str) -> bool:
@@ -251,7 +254,8 @@ def test_callable_policy_sees_module_names_and_offloads_what_it_picks(family):
 
     stats = _parity(model, policy=mlp_only)
     assert picked and all(".mlp" in n for n in picked)
-    assert {n.split(".mlp")[0] for n in picked} == {f"model.layers.{i}" for i in range(H.LAYERS)}
+    prefix = "base_model.model." if family.endswith("lora") else ""
+    assert {n.split(".mlp")[0] for n in picked} == {f"{prefix}model.layers.{i}" for i in range(H.LAYERS)}
     assert 0 < stats[0].offloaded_tensors <= len(picked) // 3
 
 

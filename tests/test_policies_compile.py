@@ -155,3 +155,16 @@ def test_whole_model_compile_splits_at_each_layer_and_says_so(caplog):
                 graphs = _graphs()
     assert _graphs() == graphs
     assert any("graph break at the layer's start" in r.getMessage() for r in caplog.records)
+
+
+def test_regional_compile_with_reentrant_checkpointing_bitwise():
+    model = H.tiny_model("mistral")
+    H.enable_checkpointing(model, reentrant=True)
+    twin = H.twin(model)
+    hsoffload.patch()
+    _compile_layers(model, "aot_eager")
+    _compile_layers(twin, "aot_eager")
+    for batch in H.batches(2):
+        ours = _step(model, model, batch, _kwargs())
+        _assert_same(ours, _step(twin, twin, batch, None))
+        assert ours[2].offloaded_tensors == H.LAYERS
