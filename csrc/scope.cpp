@@ -24,6 +24,7 @@ namespace hsoffload {
 struct OffloadRecord {
   int64_t seq = 0;  // pack order within the scope
   int64_t group = 0;  // prefetch group (OffloadScope::begin_group), increasing in pack order
+  bool restored_once = false;  // an unpack restored it (guarded by `mutex`)
   int64_t epoch = 0;  // the scope entry that packed it
   c10::Device device{c10::kCPU};
   c10::weak_intrusive_ptr<c10::StorageImpl> source{c10::intrusive_ptr<c10::StorageImpl>()};
@@ -191,6 +192,7 @@ void OffloadScope::enter() {
     active_ = true;
     owner_ = std::this_thread::get_id();
     ++epoch_;
+    open_group_ = -1;  // a group left open by an exception in the previous entry
     spill_ = std::move(store);
     spill_errors_->take();  // an error from an earlier entry was raised there (or belongs to a failed step)
   }
@@ -270,9 +272,10 @@ bool OffloadScope::is_marked_locked(const at::Tensor& x) { return find_mark_lock
 
 OffloadScope::Mark* OffloadScope::find_mark_locked(const at::Tensor& x) {
   const uint32_t version = version_of(x);
-  for (auto& m : marks_) {
-    if (m.matches(x, version)) {
-      return &m;
+  // Newest first: a policy that marks a tensor right before autograd packs it finds its mark at once.
+  for (auto it = marks_.rbegin(); it != marks_.rend(); ++it) {
+    if (it->matches(x, version)) {
+      return &*it;
     }
   }
   return nullptr;
@@ -625,6 +628,9 @@ void OffloadScope::prefetch_before_locked(const OffloadRecord& current) {
     if (record->prefetched.defined() || !record->restored.expired()) {
       continue;
     }
+    if (record->group == current.group && record->seq > current.seq && record->restored_once) {
+      continue;  // packed after the current one and restored already: backward is past it (reverse order)
+    }
     start_restore_locked(*record);
   }
 }
@@ -667,6 +673,7 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
             std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - w0).count());
     }
     record.restored = dev.storage().getWeakStorageImpl();
+    record.restored_once = true;
     count(stats_, hit ? &OffloadStats::prefetch_hits : &OffloadStats::wait_ns,
           hit ? 1 : std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
     count(stats_, &OffloadStats::restored_bytes, record.bytes());

@@ -26,7 +26,7 @@ from hsoffload.axolotl import (
     get_checkpoint_hidden_states_offloading_ctx_manager,
     patch_gradient_checkpointing_layer_marker,
 )
-from hsoffload.axolotl_plugin import HsOffloadPlugin, is_enabled, offload_config
+from hsoffload.axolotl_plugin import HsOffloadPlugin, is_enabled, offload_config, validate_config
 
 AXOLOTL_DEFAULTS = {
     "use_pin_memory": True,
@@ -280,6 +280,18 @@ def test_plugin_config_keys() -> None:
     assert offload_config(Cfg()) == hsoffload.OffloadConfig()
     assert not is_enabled(Cfg(activation_offloading=True))
     assert not is_enabled(Cfg(activation_offloading="legacy"))
+    policy_cfg = Cfg(activation_offloading="hidden_states", hsoffload_policy="all", hsoffload_keep_last_layers=2,
+                     hsoffload_offload_fraction=0.5, hsoffload_offload_output_head=True)
+    validate_config(policy_cfg)
+    assert offload_config(policy_cfg) == hsoffload.OffloadConfig(
+        policy="all", keep_last_layers=2, offload_fraction=0.5, offload_output_head=True
+    )
+    parsed = schema(hsoffload_policy="sac", hsoffload_offload_fraction=0.25)
+    assert parsed.hsoffload_policy == "sac"
+    for key, bad in (("hsoffload_policy", "everything"), ("hsoffload_offload_fraction", 1.5),
+                     ("hsoffload_keep_last_layers", -1)):
+        with pytest.raises(ValueError, match=key):
+            validate_config(Cfg(**{key: bad}))
 
 
 def test_plugin_wires_hsoffload_into_the_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

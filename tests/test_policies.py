@@ -276,7 +276,7 @@ def test_keep_last_layers_and_offload_fraction_choose_layers_and_say_so(caplog):
     with hsoffload.offload_hidden_states(model, **_kwargs(offload_fraction=0.5)) as scope:
         model(**H.batches(1)[0]).loss.backward()
     layers = scope.layer_stats
-    assert [layers[f"model.layers.{i}"].offloaded for i in range(4)] == [True, True, False, False]
+    assert [layers[f"model.layers.{i}"].selected for i in range(4)] == [True, True, False, False]
     assert [layers[f"model.layers.{i}"].offloaded_tensors for i in range(4)] == [1, 1, 0, 0]
 
 
@@ -328,3 +328,115 @@ def test_prefetch_groups_bring_back_a_whole_layer_ahead():
 
     assert run(grouped=True) == 3
     assert run(grouped=False) < 3
+
+
+def test_sac_cache_entries_serve_the_dict_and_the_list_layouts_of_torch_releases():
+    from hsoffload.policy import _OffloadingEntries
+
+    packed: list[object] = []
+    entries = _OffloadingEntries(lambda v: packed.append(v) or v)
+    entries.append("a")
+    entries.append("b")
+    assert entries and entries.pop(0) == "a"
+    entries.append("c")
+    assert entries.pop(0) == "b" and entries.pop(0) == "c" and not entries
+    with pytest.raises(IndexError):
+        entries.pop(0)
+    entries[0] = "x"
+    assert entries.get(0) == "x" and entries.get(1) is None
+    assert packed == ["a", "b", "c", "x"]
+
+
+# ------------------------------------------------------------------------------------------------ wrappers, faults
+
+
+def test_policies_under_torch_distributed_checkpoint_wrapper():
+    """FSDP's activation checkpointing wraps each layer from outside: the wrapper opens the layer's visit, so "all"
+    offloads each layer's input inside its own layer (not as the head) and the per-layer counters are right."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model = H.tiny_model("llama")
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, GradientCheckpointingLayer)
+    )
+    for policy in ("hidden_states", "all"):
+        with hsoffload.offload_hidden_states(model, **_kwargs(policy=policy, keep_last_layers=1)) as scope:
+            model(**H.batches(1)[0], use_cache=False).loss.backward()  # a cache would grow in the recompute
+        layers = scope.layer_stats
+        assert [layers[f"model.layers.{i}"].offloaded_tensors for i in range(H.LAYERS)] == [1] * (H.LAYERS - 1) + [0]
+
+
+def test_retain_graph_does_not_prefetch_tensors_backward_has_passed():
+    """Second backward of a retained graph: restores of a group must not bring back the group's tensors that the
+    current pass has already used (they would sit on the device until the graph dies)."""
+    model = H.tiny_model("llama")
+    twin = H.twin(model)
+    batch = H.batches(1)[0]
+    with hsoffload.offload_hidden_states(model, **_kwargs(policy="all", prefetch_depth=1)) as scope:
+        loss = model(**batch).loss
+        loss.backward(retain_graph=True)
+        first = scope.stats
+        loss.backward()
+    ref = twin(**batch).loss
+    ref.backward(retain_graph=True)
+    ref.backward()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    second = scope.stats
+    # Each pass restores every offloaded tensor once; a pass that re-fetched passed tensors would restore more.
+    assert second.restored_tensors == 2 * first.restored_tensors
+    assert second.restored_bytes == 2 * first.restored_bytes
+
+
+def test_exception_inside_a_layer_leaves_no_open_group_or_visit():
+    model = H.tiny_model("llama")
+    layer = model.model.layers[1]
+    original = type(layer).forward
+
+    def boom(self, *args, **kwargs):  # noqa: ANN001
+        if self is layer:
+            raise RuntimeError("boom inside layer 1")
+        return original(self, *args, **kwargs)
+
+    scope = hsoffload.offload_hidden_states(model, **_kwargs(policy="all"))
+    type(layer).forward = boom
+    try:
+        with pytest.raises(RuntimeError, match="boom inside layer 1"):
+            with scope:
+                model(**H.batches(1)[0]).loss.backward()
+    finally:
+        type(layer).forward = original
+    assert scope.layer_tracker.current is None
+    twin = H.twin(model)
+    stats = _parity(model, policy="all")  # the next steps are bitwise again and offload per layer
+    assert stats[0].offloaded_tensors > 0 and scope.tracked_state() == 0
+    del twin
+
+
+def test_all_offloads_every_forward_of_gradient_accumulation_in_one_entry():
+    model = H.tiny_model("llama")
+    data = H.batches(2)
+    with hsoffload.offload_hidden_states(model, **_kwargs(policy="all")) as one:
+        model(**data[0]).loss.backward()
+    with hsoffload.offload_hidden_states(model, **_kwargs(policy="all")) as two:
+        for batch in data:
+            model(**batch).loss.backward()
+    assert two.stats.offloaded_tensors == 2 * one.stats.offloaded_tensors
+
+
+def test_callable_without_the_model_logs_once_and_gets_layer_names(caplog):
+    forget_logged()
+    model = H.tiny_model("llama")
+    hsoffload.patch()
+    names: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        with hsoffload.OffloadScope(**_kwargs(policy=lambda t, n: names.append(n) or True)) as scope:
+            model(**H.batches(1)[0]).loss.backward()
+    assert any("callable policy without the model" in r.getMessage() for r in caplog.records)
+    assert scope.stats.offloaded_tensors > 0 and any(n.startswith("LlamaDecoderLayer@") for n in names)

@@ -80,16 +80,20 @@ def test_regional_inductor_every_policy_offloads_bitwise_without_recompiling():
     data = H.batches(2)
     names: list[str] = []
 
-    def attention_only(t: torch.Tensor, name: str) -> bool:
+    def every_tensor(t: torch.Tensor, name: str) -> bool:
         names.append(name)
         return True
 
-    for policy in ("hidden_states", "all", attention_only):
+    for policy in ("hidden_states", "all", every_tensor):
         for step, batch in enumerate(data):
             ours = _step(model, model, batch, _kwargs(policy=policy))
             ref = _step(twin, twin, batch, None)
             _assert_same(ours, ref)
+            # At least each layer's input; "all" and the callable also take what else the compiled graphs save
+            # (weights and their views excepted).
             assert ours[2].offloaded_tensors >= H.LAYERS, (policy, ours[2])
+            if policy != "hidden_states":
+                assert ours[2].offloaded_tensors > H.LAYERS, (policy, ours[2])
             if step == 0:
                 graphs = _graphs()
             else:
@@ -168,3 +172,16 @@ def test_regional_compile_with_reentrant_checkpointing_bitwise():
         ours = _step(model, model, batch, _kwargs())
         _assert_same(ours, _step(twin, twin, batch, None))
         assert ours[2].offloaded_tensors == H.LAYERS
+
+
+def test_fullgraph_layers_compile_without_graph_breaks_while_no_scope_is_active():
+    """patch() is process-wide (the Trainer integration calls it): a layer compiled with fullgraph=True must keep
+    compiling while no offload scope is active anywhere."""
+    hsoffload.patch()
+    model = H.tiny_model("llama")
+    H.enable_checkpointing(model, reentrant=False)
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = torch.compile(layers[i], backend="aot_eager", fullgraph=True)
+    model(**H.batches(1)[0]).loss.backward()
+    assert sum(counters["graph_break"].values()) == 0

@@ -113,7 +113,7 @@ def test_one_summary_line_in_transformers_log_output(tmp_path: Path) -> None:
         trainer.train()
     finally:
         logging.getLogger("transformers").removeHandler(collect)
-    lines = [m for m in seen if m.startswith("hsoffload: hidden-state offload on")]
+    lines = [m for m in seen if m.startswith("hsoffload: offload on")]
     assert len(lines) == 1, seen
     assert f"{H.LAYERS} decoder layers" in lines[0] and "hsoffload/*" in lines[0]
 
@@ -188,3 +188,43 @@ def test_sft_trainer(tmp_path: Path) -> None:
     trainer.train()
     logs = _train_logs(trainer)
     assert [entry["hsoffload/offloaded_tensors"] for entry in logs] == [H.LAYERS, H.LAYERS]
+
+
+@pytest.mark.parametrize("policy", ["all", "sac"])
+def test_trainer_policies_with_layer_budget_bitwise(tmp_path: Path, policy: str) -> None:
+    """The Trainer integration passes policy and layer budget through: bitwise equal to the same training without
+    offload, the last layer kept on the device, the per-layer line after the first step."""
+    from hsoffload.bench.policies import _sac_context_fn
+
+    layers = 4
+    ckpt: dict[str, Any] = {"gradient_checkpointing": False}
+    if policy == "sac":
+        ckpt = {"gradient_checkpointing": True,
+                "gradient_checkpointing_kwargs": {"use_reentrant": False, "context_fn": _sac_context_fn()}}
+    args = training_args(tmp_path, **ckpt)
+    model = H.tiny_model("llama", layers=layers)
+    reference = H.twin(model)
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    collect = Collect(logging.WARNING)
+    logging.getLogger("transformers").addHandler(collect)
+    try:
+        trainer = enable_hidden_state_offload(
+            transformers.Trainer(model=model, args=args, train_dataset=TokenDataset()),
+            **SCOPE, policy=policy, keep_last_layers=1,
+        )
+        trainer.train()
+    finally:
+        logging.getLogger("transformers").removeHandler(collect)
+    transformers.Trainer(model=reference, args=args, train_dataset=TokenDataset()).train()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a, b), name
+    stats = trainer.hsoffload_scope.layer_stats
+    assert stats["model.layers.3"].offloaded_tensors == 0 and not stats["model.layers.3"].selected
+    assert all(stats[f"model.layers.{i}"].offloaded_tensors > 0 for i in range(3))
+    line = [m for m in seen if m.startswith("hsoffload: offload on")]
+    assert len(line) == 1 and f"policy={policy}" in line[0] and "model.layers.3: kept (layer budget)" in line[0]

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENTS = ROOT / "tests" / "extra_transformers.txt"
 # Suites that need only transformers + peft (Trainer pulls datasets, which pins newer hubs).
-SUITES = ["tests/test_transformers_models.py", "tests/test_patch.py"]
+SUITES = ["tests/test_transformers_models.py", "tests/test_patch.py", "tests/test_policies.py"]
 # Entries of extra_transformers.txt this matrix runs (others are used by their own suites).
 MATRIX = ("tf457",)
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._logging import log_once as _log_once
+from . import scope as _scope_module
 from .scope import OffloadConfig, OffloadScope, current_scope
 from .policy import Policy, marks_layer_inputs
 
@@ -189,7 +190,7 @@ def _begin_layer(scope: OffloadScope, layer: torch.nn.Module, args: tuple, kwarg
     Returns (visit, args); `kwargs` may lose its hidden_states to args."""
     from .policy import marks_layer_inputs, wrap_context_fn
 
-    visit = scope.layer_tracker.begin(layer, compiled)
+    visit = scope.layer_tracker.begin(layer, compiled, checkpointed=bool(getattr(layer, "gradient_checkpointing", False)))
     policy = scope.config.policy
     if not marks_layer_inputs(policy):
         return visit, _pass_hidden_states_first(layer, args, kwargs, mark=False)
@@ -231,7 +232,11 @@ def _make_wrapper(previous: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not _state.active or not self.training or not torch.is_grad_enabled():
             return previous(self, *args, **kwargs)
+        if getattr(self, _WRAPPED_ATTR, False):
+            return previous(self, *args, **kwargs)  # the enclosing CheckpointWrapper marks and counts this layer
         if torch.compiler.is_compiling():
+            if not _scope_module.any_active:
+                return previous(self, *args, **kwargs)  # no graph break while no scope is active (dynamo guards it)
             # No try/finally here: a graph break inside one makes dynamo run the whole frame eagerly. A call that
             # raises leaves its visit open until the scope's exit resets it.
             scope, visit, args, kwargs = _begin_compiled_layer(self, args, kwargs)
@@ -242,11 +247,13 @@ def _make_wrapper(previous: Callable[..., Any]) -> Callable[..., Any]:
         scope = current_scope()
         if scope is None:
             return previous(self, *args, **kwargs)
-        visit, args = _begin_layer(scope, self, args, kwargs, compiled=False)
+        visit = None
         try:
+            visit, args = _begin_layer(scope, self, args, kwargs, compiled=False)
             return previous(self, *args, **kwargs)
         finally:
-            scope.layer_tracker.end(visit)
+            if visit is not None:
+                scope.layer_tracker.end(visit)
 
     setattr(__call__, _PATCH_ATTR, True)
     return __call__
@@ -283,9 +290,23 @@ def _make_checkpoint_wrapper_forward(previous: Callable[..., Any]) -> Callable[.
             return previous(self, *args, **kwargs)
         setattr(layer, _WRAPPED_ATTR, True)
         scope = current_scope()
-        mark = marks_layer_inputs(scope.config.policy) and scope.layer_tracker.offloads(layer)
-        args = _pass_hidden_states_first(layer, args, kwargs, mark)  # may move kwargs["hidden_states"] into args
-        return previous(self, *args, **kwargs)
+        policy = scope.config.policy
+        visit = scope.layer_tracker.begin(layer, compiled=False, checkpointed=True)
+        try:
+            if policy == "sac":
+                _log_once(
+                    "sac-checkpoint-wrapper",
+                    logging.WARNING,
+                    "hsoffload: policy='sac': %s is checkpointed by torch.distributed's CheckpointWrapper, whose "
+                    "checkpoint function hsoffload does not wrap; only its hidden_states are offloaded. Use "
+                    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'context_fn': ...}) instead.",
+                    type(layer).__name__,
+                )
+            mark = marks_layer_inputs(policy) and visit.offload
+            args = _pass_hidden_states_first(layer, args, kwargs, mark)  # may move kwargs["hidden_states"] into args
+            return previous(self, *args, **kwargs)
+        finally:
+            scope.layer_tracker.end(visit)
 
     setattr(forward, _PATCH_ATTR, True)
     return forward

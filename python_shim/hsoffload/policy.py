@@ -71,7 +71,7 @@ def selected_layers(count: int, keep_last_layers: int, offload_fraction: float) 
 class LayerStats:
     """What one decoder layer handed to the host in this scope (summed over its uses)."""
 
-    offloaded: bool  # chosen by the layer budget
+    selected: bool  # chosen by the layer budget (keep_last_layers, offload_fraction) to offload
     calls: int = 0
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0
@@ -84,6 +84,7 @@ class _Visit:
     name: str
     offload: bool
     compiled: bool
+    checkpointed: bool
     tensors_before: int
     bytes_before: int
     outer: Optional["_Visit"]
@@ -113,13 +114,17 @@ class LayerTracker:
         return self._keep_last_layers > 0 or self._offload_fraction < 1.0
 
     def bind(self, model: torch.nn.Module, layer_cls: type) -> None:
-        # torch.compile(layer) wraps a layer in an OptimizedModule: name it as the layer it compiles
-        layers = [(n.replace("._orig_mod", ""), m) for n, m in model.named_modules() if isinstance(m, layer_cls)]
+        # torch.compile(layer) and torch.distributed's checkpoint_wrapper wrap a layer: name it as the layer itself
+        layers = [
+            (n.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""), m)
+            for n, m in model.named_modules()
+            if isinstance(m, layer_cls)
+        ]
         chosen = selected_layers(len(layers), self._keep_last_layers, self._offload_fraction)
         for (name, layer), offload in zip(layers, chosen):
             self._names[layer] = name
             self._offload[layer] = offload
-            self.layers.setdefault(name, LayerStats(offloaded=offload))
+            self.layers.setdefault(name, LayerStats(selected=offload))
         self.bound = self.bound or bool(layers)
 
     def offloads(self, layer: torch.nn.Module) -> bool:
@@ -127,9 +132,12 @@ class LayerTracker:
         return self._offload.get(layer, True)
 
     def reset_entry(self) -> None:
+        """Forget a layer call left open (an exception inside it) and the head state: a new entry or its exit."""
+        if self.current is not None:
+            self._engine.end_group()
         self.current, self.layer_ran = None, False
 
-    def begin(self, layer: torch.nn.Module, compiled: bool) -> _Visit:
+    def begin(self, layer: torch.nn.Module, compiled: bool, checkpointed: bool = False) -> _Visit:
         name = self._names.get(layer)
         if name is None:
             if self.budgeted:
@@ -141,11 +149,11 @@ class LayerTracker:
             name = f"{type(layer).__name__}@{id(layer):x}"
             self._names[layer], self._offload[layer] = name, True
         offload = self._offload.get(layer, True)
-        stats = self.layers.setdefault(name, LayerStats(offloaded=offload))
+        stats = self.layers.setdefault(name, LayerStats(selected=offload))
         stats.calls += 1
         self._engine.begin_group()
         tensors, nbytes = _stat_pair(self._engine)
-        self.current = _Visit(name, offload, compiled, tensors, nbytes, self.current)
+        self.current = _Visit(name, offload, compiled, checkpointed, tensors, nbytes, self.current)
         return self.current
 
     def end(self, visit: _Visit) -> None:
@@ -154,6 +162,9 @@ class LayerTracker:
         stats.offloaded_tensors += tensors - visit.tensors_before
         stats.offloaded_bytes += nbytes - visit.bytes_before
         self.current = visit.outer
+        if self.current is not None:  # a nested layer: the outer one's counters exclude what the inner moved
+            self.current.tensors_before += tensors - visit.tensors_before
+            self.current.bytes_before += nbytes - visit.bytes_before
         if self.current is None:
             self._engine.end_group()
             self.layer_ran = True
@@ -164,11 +175,34 @@ class LayerTracker:
         """One line: per decoder layer, what went to the host (MiB) or why it stayed."""
         parts = []
         for name, s in self.layers.items():
-            if not s.offloaded:
+            if not s.selected:
                 parts.append(f"{name}: kept (layer budget)")
             elif s.calls:
                 parts.append(f"{name}: {s.offloaded_tensors} tensors {s.offloaded_bytes / 2**20:.2f} MiB")
         return "; ".join(parts)
+
+
+# Guards _head_reset_models and _tracked_models: module hooks are installed once per model, process-wide (a model's
+# hooks are process-wide by nature).
+_tracked_lock = threading.Lock()
+_head_reset_models: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def reset_head_state_on_forward(model: torch.nn.Module, tracker_of_current_scope: Callable[[], Any]) -> None:
+    """Install (once per model) a forward pre-hook on `model` that starts a new forward for the head rule of policy
+    "all" (saves outside decoder layers count as the head only after a layer of *this* forward ran), so several
+    forwards in one scope entry (gradient accumulation) offload each one's embedding saves."""
+    with _tracked_lock:
+        if model in _head_reset_models:
+            return
+
+        def pre(_m: torch.nn.Module, _args: Any) -> None:
+            if not torch.compiler.is_compiling():
+                tracker = tracker_of_current_scope()
+                if tracker is not None and tracker.current is None:
+                    tracker.layer_ran = False
+
+        _head_reset_models[model] = model.register_forward_pre_hook(pre)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -183,7 +217,6 @@ def current_module_name() -> str:
 
 
 _tracked_models: "weakref.WeakKeyDictionary[torch.nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
-_tracked_lock = threading.Lock()  # guards _tracked_models (module hooks are installed once per model, process-wide)
 
 
 def track_module_names(model: torch.nn.Module) -> None:
@@ -228,11 +261,13 @@ class TensorSet:
         return ref is not None and ref() is t
 
 
-def _is_parameter_or_view(x: torch.Tensor, excluded: TensorSet) -> bool:
+def is_parameter_or_view(x: torch.Tensor, excluded: TensorSet, storages: set[int]) -> bool:
+    """A parameter, a buffer, or a view or detached alias of one (by Python type, by identity, or by storage: the
+    storages of the bound models' parameters and buffers when they were bound)."""
     base = x._base
-    return isinstance(x, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter) or x in excluded or (
-        base in excluded
-    )
+    if isinstance(x, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter) or x in excluded or base in excluded:
+        return True
+    return bool(storages) and x.untyped_storage().data_ptr() in storages
 
 
 class Selector:
@@ -253,6 +288,7 @@ class Selector:
         self._cpu = offload_cpu_tensors
         self._head = offload_output_head
         self.excluded = TensorSet()  # buffers of bound models
+        self.storages: set[int] = set()  # storage addresses of bound models' parameters and buffers
 
     def __call__(self, x: torch.Tensor) -> bool:
         if torch._C._current_graph_task_id() != -1:
@@ -263,15 +299,21 @@ class Selector:
         if visit is not None and not visit.offload:
             return False
         if self._policy == "sac":
-            return visit is not None and visit.compiled and not _is_parameter_or_view(x, self.excluded)
+            # A compiled checkpointed layer saves what its SAC policy keeps through autograd: offload those saves.
+            return (
+                visit is not None
+                and visit.compiled
+                and visit.checkpointed
+                and not is_parameter_or_view(x, self.excluded, self.storages)
+            )
         if visit is None and self._tracker.layer_ran and not self._head and self._policy == "all":
             return False
-        if _is_parameter_or_view(x, self.excluded):
+        if is_parameter_or_view(x, self.excluded, self.storages):
             return False
         if self._policy == "all":
             return True
-        name = visit.name if visit is not None and visit.compiled else current_module_name()
-        return bool(self._policy(x, name))
+        name = "" if visit is not None and visit.compiled else current_module_name()
+        return bool(self._policy(x, name or (visit.name if visit is not None else "")))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -306,7 +348,8 @@ class _OffloadingEntries(dict):
     def __init__(self, pack: Callable[[Any], Any]) -> None:
         super().__init__()
         self._pack = pack
-        self._next = 0
+        self._first = 0  # the list form: keys _first .. _end-1 are the list's items, oldest first
+        self._end = 0
 
     def __setitem__(self, idx: Any, value: Any) -> None:
         super().__setitem__(idx, self._pack(value))
@@ -321,15 +364,20 @@ class _OffloadingEntries(dict):
     def get(self, idx: Any, default: Any = None) -> Any:
         return self[idx] if idx in self else default
 
-    def append(self, value: Any) -> None:  # the list form of the storage
-        self[len(self)] = value
+    def append(self, value: Any) -> None:  # the list form of the storage (torch releases before the dict form)
+        self[self._end] = value
+        self._end += 1
 
     def pop(self, idx: int = -1) -> Any:  # the list form: pop(0) takes the oldest
-        key = self._next if idx == 0 else len(self) - 1 + self._next
+        if self._end == self._first:
+            raise IndexError("pop from an empty SAC cache list")
+        key = self._first if idx == 0 else self._end - 1
         value = self[key]
         super().__delitem__(key)
         if idx == 0:
-            self._next += 1
+            self._first += 1
+        else:
+            self._end -= 1
         return value
 
 

@@ -13,8 +13,8 @@ from typing import Any, Optional, Union
 import torch
 
 from ._logging import log_once
-from .policy import LayerStats, LayerTracker, Policy, Selector, pack_sac_value, policy_name, track_module_names
-from .policy import validate_policy
+from .policy import LayerStats, LayerTracker, Policy, Selector, is_parameter_or_view, pack_sac_value, policy_name
+from .policy import reset_head_state_on_forward, track_module_names, validate_policy
 
 logger = logging.getLogger("hsoffload")
 
@@ -37,6 +37,18 @@ _STAT_FIELDS = (
 # Python-side mirror of the engine's per-thread scope stack, so the transformers
 # patch can ask "is a scope active on this thread?" without a dispatcher call.
 _tls = threading.local()
+# Scopes entered and not yet exited, process-wide: lets code that torch.compile traces skip hsoffload's graph breaks
+# while no scope is active anywhere (dynamo guards on the value of `any_active`). Guarded by _active_lock.
+_active_lock = threading.Lock()
+_active_count = 0
+any_active = False
+
+
+def _count_active(delta: int) -> None:
+    global _active_count, any_active
+    with _active_lock:
+        _active_count += delta
+        any_active = _active_count > 0
 
 
 def current_scope() -> Optional["OffloadScope"]:
@@ -273,6 +285,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         # print their own line set it to False.
         self.report_layers = True
         self._selector: Optional[Selector] = None
+        self._names_tracked = False
         if c.policy != "hidden_states":
             self._selector = Selector(
                 c.policy, self.layer_tracker, c.min_offload_size, c.offload_cpu_tensors, c.offload_output_head
@@ -307,8 +320,13 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         if self._selector is not None:
             for buf in model.buffers():
                 self._selector.excluded.add(buf)
+            for t in list(model.parameters()) + list(model.buffers()):
+                if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() > 0:
+                    self._selector.storages.add(t.untyped_storage().data_ptr())
+            reset_head_state_on_forward(model, lambda: getattr(current_scope(), "layer_tracker", None))
         if callable(self.config.policy):
             track_module_names(model)
+            self._names_tracked = True
         return self
 
     @property
@@ -320,9 +338,13 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         """Policy "sac": a value torch's selective-checkpoint cache stores, with its tensors handed to the engine."""
         c = self.config
 
+        select = self._selector
+
         def pack_tensor(t: torch.Tensor) -> Optional[torch.Tensor]:
             if (t.is_cpu and not c.offload_cpu_tensors) or t.numel() * t.element_size() < c.min_offload_size:
                 return None
+            if select is not None and is_parameter_or_view(t, select.excluded, select.storages):
+                return None  # a SAC policy that keeps a view of a weight (aten.t): the weight stays where it is
             self._scope.mark(t)
             return torch.ops.hsoffload.offload_pack(t, self.id)
 
@@ -333,6 +355,14 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             raise ValueError(
                 "hsoffload: keep_last_layers/offload_fraction need the model's decoder layers; create the scope with "
                 "hsoffload.offload_hidden_states(model, ...) or call scope.bind_model(model) before entering it"
+            )
+        if callable(self.config.policy) and not self._names_tracked:
+            log_once(
+                "callable-no-model",
+                logging.WARNING,
+                "hsoffload: a callable policy without the model gets only decoder-layer names (or ''); pass the model "
+                "(hsoffload.offload_hidden_states(model, policy=...) or scope.bind_model(model)) for every module's "
+                "qualified name",
             )
         self.layer_tracker.reset_entry()
         if self.config.max_pool_bytes is not None:
@@ -346,6 +376,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             self._scope.exit()
             raise
         _tls.__dict__.setdefault("stack", []).append(self)
+        _count_active(1)
         return self
 
     def __exit__(
@@ -367,6 +398,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             stack = getattr(_tls, "stack", [])
             if self in stack:  # at most once: entering an active scope again is refused
                 stack.remove(self)
+                _count_active(-1)
         layers_ran = self.layer_tracker.layer_ran
         self.layer_tracker.reset_entry()
         if exc_type is None:

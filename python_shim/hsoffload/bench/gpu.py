@@ -426,6 +426,8 @@ def run(args: argparse.Namespace, progress_enabled: bool = True) -> dict[str, An
             progress.note("policies")
             result["policies"] = policies.run(False, Progress(0, "", False), device=device, seq=8192)
             save()
+        else:
+            result["policies_skipped"] = "time limit: under 60 s left for the policy rows"
     except Exception as exc:  # report what was measured before the failure
         logger.exception("hsoffload bench: the GPU suite stopped early")
         result["errors"].append({"method": None, "seq": None, "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
@@ -541,6 +543,8 @@ def report(result: dict[str, Any]) -> str:
         from . import policies
 
         lines.append(policies.report(result["policies"]))
+    elif result.get("policies_skipped"):
+        lines.append("offload policy rows skipped: " + result["policies_skipped"])
     summ = {(s["method"], s["seq"]): s for s in result.get("summary", [])}
     rows = []
     for r in result.get("runs", []):

@@ -15,6 +15,7 @@ import functools
 import importlib
 import logging
 import time
+import weakref
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -87,14 +88,16 @@ def _trl_available() -> tuple[bool, str]:
     return True, ""
 
 
-_trl_contexts: dict[int, Any] = {}  # one TRL context per model: get_act_offloading_ctx_manager adds head hooks
+# One TRL context per model (get_act_offloading_ctx_manager adds hooks to the output head); the bench runs on one
+# thread.
+_trl_contexts: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
 def _trl(model: torch.nn.Module) -> Any:
-    if id(model) not in _trl_contexts:
+    if model not in _trl_contexts:
         mod = importlib.import_module("trl.models.activation_offloading")
-        _trl_contexts[id(model)] = mod.get_act_offloading_ctx_manager(model, use_pin_memory=True, use_streams=True)
-    return _trl_contexts[id(model)]
+        _trl_contexts[model] = mod.get_act_offloading_ctx_manager(model, use_pin_memory=True, use_streams=True)
+    return _trl_contexts[model]
 
 
 _SAVE_ON_CPU_NOTE = {

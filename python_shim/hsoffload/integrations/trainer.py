@@ -99,7 +99,7 @@ class _TrainerOffload:
         # Where the trainer's users look: transformers' own logger (its handler and verbosity), at WARNING, the
         # level transformers shows by default.
         logging.getLogger("transformers.hsoffload").warning(
-            "hsoffload: hidden-state offload on for %s (policy=%s, %s decoder layers; min_offload_size=%d, "
+            "hsoffload: offload on for %s (policy=%s, %s decoder layers; min_offload_size=%d, "
             "prefetch_depth=%d, max_host_bytes=%s, spill_dir=%s); first step per layer: %s; counters in the logs "
             "as hsoffload/*",
             type(trainer).__name__,
