@@ -196,3 +196,54 @@ def test_transformers_llama_on_gpu():
     assert torch.equal(la, lb)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), off.parameters()))
     assert scope.stats.offloaded_tensors == 4 and scope.stats.restored_tensors == 4
+
+
+@pytest.mark.parametrize("policy", ["sac", "all"])
+def test_policies_on_gpu_bitwise_and_free_memory(policy):
+    """Policies "sac" (selective checkpointing) and "all" (no checkpointing) with real streams: bitwise equal to the
+    same training without offload, and the forward's peak of allocated memory lower than without offload."""
+    import functools
+
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        attn_implementation="eager",
+    )
+    ref = transformers.LlamaForCausalLM(cfg).cuda().train()
+    off = copy.deepcopy(ref)
+    if policy == "sac":
+        keep = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+
+        def sac(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        for m in (ref, off):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+                "use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, sac)})
+    ids = torch.randint(0, 256, (2, 1024), device="cuda")
+
+    def forward_peak(model, ctx):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with ctx:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            loss.backward()
+        return loss, peak
+
+    import contextlib
+
+    la, peak_ref = forward_peak(ref, contextlib.nullcontext())
+    scope = hsoffload.offload_hidden_states(off, policy=policy, min_offload_size=0)
+    lb, peak_off = forward_peak(off, scope)
+    torch.cuda.synchronize()
+    assert torch.equal(la, lb)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), off.parameters()))
+    assert scope.stats.offloaded_tensors > 4 * cfg.num_hidden_layers, scope.stats
+    assert peak_off < peak_ref, (peak_off, peak_ref)
