@@ -440,3 +440,18 @@ def test_callable_without_the_model_logs_once_and_gets_layer_names(caplog):
             model(**H.batches(1)[0]).loss.backward()
     assert any("callable policy without the model" in r.getMessage() for r in caplog.records)
     assert scope.stats.offloaded_tensors > 0 and any(n.startswith("LlamaDecoderLayer@") for n in names)
+
+
+def test_unpatch_removes_module_hooks_and_restores_sac_context_functions():
+    model = H.tiny_model("llama")
+    _sac_checkpointing(model)
+    original = model.model.layers[0]._gradient_checkpointing_func
+    with hsoffload.offload_hidden_states(model, **_kwargs(policy="sac")):
+        model(**H.batches(1)[0]).loss.backward()
+    with hsoffload.offload_hidden_states(model, **_kwargs(policy=lambda t, n: False)):
+        model(**H.batches(1)[0]).loss.backward()
+    assert model.model.layers[0]._gradient_checkpointing_func is not original
+    assert model._forward_pre_hooks and model.model.layers[0].mlp._forward_hooks
+    hsoffload.unpatch()
+    assert model.model.layers[0]._gradient_checkpointing_func is original
+    assert not model._forward_pre_hooks and not model.model.layers[0].mlp._forward_hooks

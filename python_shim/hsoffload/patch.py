@@ -358,10 +358,13 @@ def unpatch() -> bool:
     If another patch was installed over ours since, ours cannot be taken out of its chain: it is
     made a pure pass-through instead, a warning is logged and False is returned.
     """
+    from .policy import undo_model_changes
+
     cls = _layer_class()
     with _lock:
         _forget_if_removed(cls)
         _unpatch_checkpoint_wrapper()
+        undo_model_changes()  # the policies' module hooks and wrapped SAC context functions
         if _state.installed is None:
             return False
         if cls.__dict__.get("__call__") is _state.installed:

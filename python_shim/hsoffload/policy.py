@@ -186,6 +186,8 @@ class LayerTracker:
 # hooks are process-wide by nature).
 _tracked_lock = threading.Lock()
 _head_reset_models: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+# Layers whose checkpoint function wrap_context_fn replaced: layer -> (original, replacement).
+_wrapped_layers: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
 
 
 def reset_head_state_on_forward(model: torch.nn.Module, tracker_of_current_scope: Callable[[], Any]) -> None:
@@ -439,10 +441,33 @@ def wrap_context_fn(layer: torch.nn.Module) -> bool:
     if inner is None:
         return False
     if not isinstance(inner, OffloadingContextFn):
-        layer._gradient_checkpointing_func = functools.partial(
-            func.func, *func.args, **{**func.keywords, "context_fn": OffloadingContextFn(inner)}
-        )
+        wrapped = functools.partial(func.func, *func.args, **{**func.keywords, "context_fn": OffloadingContextFn(inner)})
+        with _tracked_lock:
+            _wrapped_layers[layer] = (func, wrapped)
+        layer._gradient_checkpointing_func = wrapped
     return True
+
+
+def undo_model_changes() -> int:
+    """Remove every module hook this module installed and put back every checkpoint function it wrapped (what
+    `hsoffload.unpatch()` calls). Returns how many changes were undone."""
+    undone = 0
+    with _tracked_lock:
+        for handles in list(_tracked_models.values()):
+            for h in handles:
+                h.remove()
+            undone += 1
+        _tracked_models.clear()
+        for handle in list(_head_reset_models.values()):
+            handle.remove()
+            undone += 1
+        _head_reset_models.clear()
+        for layer, (original, wrapped) in list(_wrapped_layers.items()):
+            if getattr(layer, "_gradient_checkpointing_func", None) is wrapped:
+                layer._gradient_checkpointing_func = original
+                undone += 1
+        _wrapped_layers.clear()
+    return undone
 
 
 def pack_sac_value(value: Any, pack_tensor: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> Any:
