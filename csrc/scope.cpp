@@ -235,10 +235,12 @@ void OffloadScope::mark(const at::Tensor& x) {
   if (!is_marked_locked(x)) {
     Mark m;
     m.impl = c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr());
+    m.impl_address = x.unsafeGetTensorImpl();
     m.version = version_of(x);
     m.dtype = x.scalar_type();
     if (has_plain_storage(x)) {
       m.storage = x.storage().getWeakStorageImpl();
+      m.storage_address = x.storage().unsafeGetStorageImpl();
       m.storage_offset = x.storage_offset();
       m.sizes = x.sizes().vec();
       m.strides = x.strides().vec();
@@ -251,7 +253,12 @@ bool OffloadScope::Mark::matches(const at::Tensor& x, uint32_t x_version) const 
   if (version != x_version) {
     return false;
   }
-  if (impl.lock().get() == x.unsafeGetTensorImpl()) {
+  const bool same_impl_address = impl_address == x.unsafeGetTensorImpl();
+  if (!same_impl_address &&
+      (storage_address == nullptr || !has_plain_storage(x) || storage_address != x.storage().unsafeGetStorageImpl())) {
+    return false;  // neither the marked tensor nor an alias of its storage (policies mark hundreds per step)
+  }
+  if (same_impl_address && impl.lock().get() == x.unsafeGetTensorImpl()) {
     return true;
   }
   // Not an alias that is a leaf requiring grad: that is how a reentrant checkpoint's recompute in backward re-saves

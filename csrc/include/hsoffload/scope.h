@@ -204,6 +204,10 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
     std::vector<int64_t> sizes;
     std::vector<int64_t> strides;
     bool counted = false;  // marked_tensors counts a mark once, however often autograd saves its tensor
+    // Addresses at mark time, for a quick reject without touching the weak references' atomics (a match needs the
+    // same TensorImpl or the same StorageImpl; equal addresses alone prove nothing, the weak references decide).
+    const void* impl_address = nullptr;
+    const void* storage_address = nullptr;
     bool matches(const at::Tensor& x, uint32_t x_version) const;
     bool expired() const { return impl.expired() && storage.expired(); }
   };
