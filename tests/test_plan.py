@@ -72,3 +72,35 @@ def test_plan_refuses_what_is_not_a_config(tmp_path: Path, capsys: pytest.Captur
     assert "--seq-len" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--dtype"):
         plan.plan(plan.PlanInput(config=str(REPO / "configs" / "llama-8b-shape.json"), seq_len=8, dtype="int3"))
+
+
+def test_plan_sac_and_layer_budget_match_a_real_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Policy "sac" keeping the projections' matmul outputs, and keep_last_layers: the plan's offloaded bytes
+    against the counters of the same run."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    layers, batch, seq = 4, 2, 24
+    _write_config(tmp_path, layers)
+    assert main(["plan", str(tmp_path), "--seq-len", str(seq), "--micro-batch", str(batch), "--dtype", "float32",
+                 "--policy", "sac", "--keep-last-layers", "1", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}  # the projections (attention's bmm is not)
+
+    def sac(ctx, op, *args, **kwargs):  # noqa: ANN001
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    model = H.tiny_model("llama", layers=layers)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+        "use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, sac)})
+    model.train()
+    ids = torch.randint(3, H.VOCAB, (batch, seq))
+    with hsoffload.offload_hidden_states(model, policy="sac", keep_last_layers=1, offload_cpu_tensors=True,
+                                         min_offload_size=0) as scope:
+        model(input_ids=ids, labels=ids).loss.backward()
+    measured = scope.stats.offloaded_bytes
+    assert abs(p["offloaded_bytes_per_rank"] - measured) <= 0.05 * measured, (p["offloaded_bytes_per_rank"], measured)
+    assert p["device_bytes_offload"] == 3 * p["layer_input_bytes"]  # the kept layer, the one in backward, a prefetch
+    assert main(["plan", str(tmp_path), "--seq-len", "8", "--policy", "all"]) == 2
+    assert "--policy must be one of hidden_states, sac" in capsys.readouterr().err

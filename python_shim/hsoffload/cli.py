@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--tflops", type=float, default=400.0, help="sustained compute per rank, TFLOP/s (default 400)")
     pl.add_argument("--host-ram-gib", type=float, default=None, help="available RAM of one node, GiB (default: this machine's MemAvailable)")
     pl.add_argument("--device-gib", type=float, default=80.0, help="memory of one device, GiB (default 80)")
-    pl.add_argument("--prefetch-depth", type=int, default=1, help="restores issued ahead in backward (default 1)")
+    pl.add_argument("--prefetch-depth", type=int, default=1, help="layers restored ahead in backward (default 1)")
+    pl.add_argument("--policy", default="hidden_states", help="hidden_states (default) or sac (projection outputs kept)")
+    pl.add_argument("--keep-last-layers", type=int, default=0, help="last layers left on the device (default 0)")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
@@ -204,6 +206,8 @@ def _plan(args: argparse.Namespace) -> int:
                 host_ram_bytes=int(args.host_ram_gib * gib) if args.host_ram_gib is not None else None,
                 device_bytes=int(args.device_gib * gib),
                 prefetch_depth=args.prefetch_depth,
+                policy=args.policy,
+                keep_last_layers=args.keep_last_layers,
             )
         )
     except ValueError as exc:
