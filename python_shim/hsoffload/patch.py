@@ -188,19 +188,28 @@ def _report_sac_without_context(layer: torch.nn.Module) -> None:
 def _begin_layer(scope: OffloadScope, layer: torch.nn.Module, args: tuple, kwargs: dict, compiled: bool) -> tuple:
     """Start a decoder-layer call in `scope`: open its prefetch group and counters, mark what the policy marks.
     Returns (visit, args); `kwargs` may lose its hidden_states to args."""
+    visit = scope.layer_tracker.begin(layer, compiled, checkpointed=bool(getattr(layer, "gradient_checkpointing", False)))
+    try:
+        return visit, _mark_layer_inputs(scope, layer, args, kwargs, visit, compiled)
+    except BaseException:
+        scope.layer_tracker.end(visit)
+        raise
+
+
+def _mark_layer_inputs(scope: OffloadScope, layer: torch.nn.Module, args: tuple, kwargs: dict, visit: Any,
+                       compiled: bool) -> tuple:
     from .policy import marks_layer_inputs, wrap_context_fn
 
-    visit = scope.layer_tracker.begin(layer, compiled, checkpointed=bool(getattr(layer, "gradient_checkpointing", False)))
     policy = scope.config.policy
     if not marks_layer_inputs(policy):
-        return visit, _pass_hidden_states_first(layer, args, kwargs, mark=False)
+        return _pass_hidden_states_first(layer, args, kwargs, mark=False)
     if not visit.offload or _report_inactive(layer):
-        return visit, args
+        return args
     if policy == "sac" and not compiled and not wrap_context_fn(layer):
         _report_sac_without_context(layer)
     args = _pass_hidden_states_marked(layer, args, kwargs)
     _report_reentrant_without_grad(layer, args)
-    return visit, args
+    return args
 
 
 @torch._dynamo.disable
@@ -288,10 +297,12 @@ def _make_checkpoint_wrapper_forward(previous: Callable[..., Any]) -> Callable[.
             or not torch.is_grad_enabled()
         ):
             return previous(self, *args, **kwargs)
-        setattr(layer, _WRAPPED_ATTR, True)
         scope = current_scope()
         policy = scope.config.policy
         visit = scope.layer_tracker.begin(layer, compiled=False, checkpointed=True)
+        # Stays set: the wrapper's checkpoint calls the layer again in backward (its recompute), which must not
+        # be treated as an unwrapped, uncheckpointed call.
+        setattr(layer, _WRAPPED_ATTR, True)
         try:
             if policy == "sac":
                 _log_once(

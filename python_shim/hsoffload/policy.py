@@ -199,7 +199,9 @@ def reset_head_state_on_forward(model: torch.nn.Module, tracker_of_current_scope
             return
 
         def pre(_m: torch.nn.Module, _args: Any) -> None:
-            if not torch.compiler.is_compiling():
+            # Only training forwards start a new forward for the head rule (an eval or no_grad forward in between,
+            # such as a reference pass, runs no offloaded layer and must not reset it).
+            if not torch.compiler.is_compiling() and torch.is_grad_enabled() and _m.training:
                 tracker = tracker_of_current_scope()
                 if tracker is not None and tracker.current is None:
                     tracker.layer_ran = False
@@ -269,7 +271,9 @@ def is_parameter_or_view(x: torch.Tensor, excluded: TensorSet, storages: set[int
     base = x._base
     if isinstance(x, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter) or x in excluded or base in excluded:
         return True
-    return bool(storages) and x.untyped_storage().data_ptr() in storages
+    if not storages or x.layout != torch.strided or x.is_nested:
+        return False  # sparse and nested tensors have no storage to compare (and are never parameters here)
+    return x.untyped_storage().data_ptr() in storages
 
 
 class Selector:

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from types import TracebackType
 from typing import Any, Optional, Union
 
@@ -286,6 +287,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         self.report_layers = True
         self._selector: Optional[Selector] = None
         self._names_tracked = False
+        self._bound_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         if c.policy != "hidden_states":
             self._selector = Selector(
                 c.policy, self.layer_tracker, c.min_offload_size, c.offload_cpu_tensors, c.offload_output_head
@@ -320,14 +322,26 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         if self._selector is not None:
             for buf in model.buffers():
                 self._selector.excluded.add(buf)
-            for t in list(model.parameters()) + list(model.buffers()):
-                if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() > 0:
-                    self._selector.storages.add(t.untyped_storage().data_ptr())
+            self._bound_models.add(model)
+            self._refresh_parameter_storages()
             reset_head_state_on_forward(model, lambda: getattr(current_scope(), "layer_tracker", None))
         if callable(self.config.policy):
             track_module_names(model)
             self._names_tracked = True
         return self
+
+    def _refresh_parameter_storages(self) -> None:
+        """The storage addresses of the bound models' parameters and buffers, now: re-read at every entry, since
+        `model.to()`, sharding or a LoRA merge moves them (and the allocator may give the old addresses to
+        activations)."""
+        if self._selector is None:
+            return
+        storages: set[int] = set()
+        for model in list(self._bound_models):
+            for t in list(model.parameters()) + list(model.buffers()):
+                if type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.numel() > 0:
+                    storages.add(t.untyped_storage().data_ptr())
+        self._selector.storages = storages
 
     @property
     def layer_stats(self) -> dict[str, LayerStats]:
@@ -364,12 +378,13 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 "(hsoffload.offload_hidden_states(model, policy=...) or scope.bind_model(model)) for every module's "
                 "qualified name",
             )
-        self.layer_tracker.reset_entry()
         if self.config.max_pool_bytes is not None:
             # The host pool is process-wide: the bound applies from this entry on, to every scope.
             torch.classes.hsoffload.OffloadScope.set_pool_limit(self.config.max_pool_bytes)
         self._scope.enter()
         try:
+            self.layer_tracker.reset_entry()  # only once the engine accepted the entry (it refuses a re-entry)
+            self._refresh_parameter_storages()
             _apply_host_budget(self.config.max_host_bytes)
             super().__enter__()
         except BaseException:
