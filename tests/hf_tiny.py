@@ -135,3 +135,30 @@ def decoder_layers(model: torch.nn.Module) -> int:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return sum(1 for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
+
+
+def enable_sac(model: torch.nn.Module, ops: Optional[set] = None, counter: Optional[list] = None) -> None:
+    """Non-reentrant checkpointing with a selective-checkpoint context_fn that keeps the outputs of `ops` (default:
+    the matmuls mm, bmm, addmm) and recomputes the rest; `counter` collects one entry per tensor op SAC saves in
+    forward."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    keep = ops if ops is not None else {aten.mm.default, aten.bmm.default, aten.addmm.default}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if op in keep:
+            if counter is not None and not ctx.is_recompute:
+                counter.append(1)
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={
+            "use_reentrant": False,
+            "context_fn": functools.partial(create_selective_checkpoint_contexts, policy),
+        }
+    )
+    model.train()

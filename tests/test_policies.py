@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import hf_tiny as H
 import hsoffload
@@ -26,17 +26,7 @@ def _kwargs(**extra: object) -> dict:
 
 def _sac_checkpointing(model: torch.nn.Module, counter: list | None = None) -> None:
     """Non-reentrant checkpointing with a selective context_fn; `counter` collects the tensors SAC saves."""
-
-    def policy(ctx, op, *args, **kwargs):  # noqa: ANN001
-        if op in SAC_OPS:
-            if counter is not None and not ctx.is_recompute:
-                counter.append(1)
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
-    model.train()
+    H.enable_sac(model, set(SAC_OPS), counter)
 
 
 def _parity(model: torch.nn.Module, **scope_kwargs: object) -> list[hsoffload.OffloadStats]:

@@ -5,13 +5,11 @@ restored tensor holds the same bits), and steps after the first compile nothing 
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import hf_tiny as H
 import hsoffload
@@ -103,19 +101,8 @@ def test_regional_inductor_every_policy_offloads_bitwise_without_recompiling():
 
 
 def test_regional_sac_offloads_what_the_compiled_graph_keeps():
-    def policy(ctx, op, *args, **kwargs):  # noqa: ANN001
-        return CheckpointPolicy.MUST_SAVE if op in (aten.mm.default, aten.bmm.default) else (
-            CheckpointPolicy.PREFER_RECOMPUTE
-        )
-
     model = H.tiny_model("qwen3")
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={
-            "use_reentrant": False,
-            "context_fn": functools.partial(create_selective_checkpoint_contexts, policy),
-        }
-    )
-    model.train()
+    H.enable_sac(model, {aten.mm.default, aten.bmm.default})
     twin = H.twin(model)
     hsoffload.patch()
     _compile_layers(model, "aot_eager")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -94,9 +95,9 @@ def test_trainer_one_liner_bitwise_and_logged(tmp_path: Path, reentrant: bool) -
         assert torch.equal(a, b), name
 
 
-def test_one_summary_line_in_transformers_log_output(tmp_path: Path) -> None:
-    """transformers shows WARNING by default through its own handler (the `transformers` logger does not
-    propagate): the once-per-run line goes there, at that level."""
+@contextlib.contextmanager
+def _transformers_warnings() -> Iterator[list[str]]:
+    """The messages reaching the `transformers` logger's own handlers at WARNING (it does not propagate)."""
     seen: list[str] = []
 
     class Collect(logging.Handler):
@@ -106,13 +107,20 @@ def test_one_summary_line_in_transformers_log_output(tmp_path: Path) -> None:
     collect = Collect(logging.WARNING)
     logging.getLogger("transformers").addHandler(collect)
     try:
+        yield seen
+    finally:
+        logging.getLogger("transformers").removeHandler(collect)
+
+
+def test_one_summary_line_in_transformers_log_output(tmp_path: Path) -> None:
+    """transformers shows WARNING by default through its own handler (the `transformers` logger does not
+    propagate): the once-per-run line goes there, at that level."""
+    with _transformers_warnings() as seen:
         args = training_args(tmp_path)
         trainer = enable_hidden_state_offload(
             transformers.Trainer(model=H.tiny_model("llama"), args=args, train_dataset=TokenDataset()), **SCOPE
         )
         trainer.train()
-    finally:
-        logging.getLogger("transformers").removeHandler(collect)
     lines = [m for m in seen if m.startswith("hsoffload: offload on")]
     assert len(lines) == 1, seen
     assert f"{H.LAYERS} decoder layers" in lines[0] and "hsoffload/*" in lines[0]
@@ -204,22 +212,12 @@ def test_trainer_policies_with_layer_budget_bitwise(tmp_path: Path, policy: str)
     args = training_args(tmp_path, **ckpt)
     model = H.tiny_model("llama", layers=layers)
     reference = H.twin(model)
-    seen: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append(record.getMessage())
-
-    collect = Collect(logging.WARNING)
-    logging.getLogger("transformers").addHandler(collect)
-    try:
+    with _transformers_warnings() as seen:
         trainer = enable_hidden_state_offload(
             transformers.Trainer(model=model, args=args, train_dataset=TokenDataset()),
             **SCOPE, policy=policy, keep_last_layers=1,
         )
         trainer.train()
-    finally:
-        logging.getLogger("transformers").removeHandler(collect)
     transformers.Trainer(model=reference, args=args, train_dataset=TokenDataset()).train()
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(a, b), name

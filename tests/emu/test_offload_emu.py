@@ -304,24 +304,9 @@ def test_spill_tier_on_the_device_is_bitwise(dev, tmp_path, use_streams):
 def test_tiny_llama_policies_bitwise_with_layer_prefetch(dev, policy, prefetch_depth):
     """Many offloaded tensors per decoder layer, restored a whole layer (prefetch group) ahead on the side stream
     while freed device blocks are poisoned and reused: bitwise equal to training without offload."""
-    import functools
-
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
     model = hf_tiny.tiny_model("qwen3").to(dev)
     if policy == "sac":
-        keep = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
-
-        def sac(ctx, op, *args, **kwargs):  # noqa: ANN001
-            return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={
-                "use_reentrant": False,
-                "context_fn": functools.partial(create_selective_checkpoint_contexts, sac),
-            }
-        )
-        model.train()
+        hf_tiny.enable_sac(model)
     twin = hf_tiny.twin(model)
     data = [{k: v.to(dev) for k, v in b.items()} for b in hf_tiny.batches(3)]
     kwargs = {"min_offload_size": 0, "use_streams": True, "prefetch_depth": prefetch_depth, "policy": policy}
