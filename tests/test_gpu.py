@@ -171,19 +171,23 @@ def test_retain_graph_on_gpu():
     assert scope.stats.restored_tensors == 6  # each backward unpacks every layer input once
 
 
-def test_transformers_llama_on_gpu():
+def _cuda_llama_pair(hidden: int, intermediate: int, max_positions: int):
+    """Two identical 4-layer Llamas on CUDA (vocab 256). Eager attention: on CUDA, fp32 SDPA runs memory-efficient
+    attention, whose backward splits the keys and accumulates dQ with atomics (non-deterministic by default), so two
+    runs of the *same* model could differ in the last bit; eager attention (matmul + softmax) is deterministic."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    # Eager attention: on CUDA, fp32 SDPA runs memory-efficient attention, whose backward splits the
-    # keys and accumulates dQ with atomics (non-deterministic by default), so two runs of the *same*
-    # model could differ in the last bit; eager attention (matmul + softmax) is deterministic.
     cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         attn_implementation="eager",
     )
     ref = transformers.LlamaForCausalLM(cfg).cuda().train()
-    off = copy.deepcopy(ref)
+    return ref, copy.deepcopy(ref)
+
+
+def test_transformers_llama_on_gpu():
+    ref, off = _cuda_llama_pair(128, 256, 512)
     for m in (ref, off):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, 256, (2, 256), device="cuda")
@@ -202,28 +206,12 @@ def test_transformers_llama_on_gpu():
 def test_policies_on_gpu_bitwise_and_free_memory(policy):
     """Policies "sac" (selective checkpointing) and "all" (no checkpointing) with real streams: bitwise equal to the
     same training without offload, and the forward's peak of allocated memory lower than without offload."""
-    import functools
+    import hf_tiny
 
-    transformers = pytest.importorskip("transformers")
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        attn_implementation="eager",
-    )
-    ref = transformers.LlamaForCausalLM(cfg).cuda().train()
-    off = copy.deepcopy(ref)
+    ref, off = _cuda_llama_pair(256, 512, 2048)
     if policy == "sac":
-        keep = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
-
-        def sac(ctx, op, *args, **kwargs):
-            return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
-
         for m in (ref, off):
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-                "use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, sac)})
+            hf_tiny.enable_sac(m)
     ids = torch.randint(0, 256, (2, 1024), device="cuda")
 
     def forward_peak(model, ctx):
@@ -245,5 +233,5 @@ def test_policies_on_gpu_bitwise_and_free_memory(policy):
     torch.cuda.synchronize()
     assert torch.equal(la, lb)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), off.parameters()))
-    assert scope.stats.offloaded_tensors > 4 * cfg.num_hidden_layers, scope.stats
+    assert scope.stats.offloaded_tensors > 4 * ref.config.num_hidden_layers, scope.stats
     assert peak_off < peak_ref, (peak_off, peak_ref)

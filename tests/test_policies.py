@@ -114,11 +114,12 @@ def test_all_never_selects_parameters_buffers_or_their_views():
     select = scope._selector
     weight = model.model.layers[0].mlp.up_proj.weight
     buffer = next(model.buffers())
-    assert not select(weight) and not select(weight.t()) and not select(weight[0])
-    assert not select(buffer) and not select(buffer[None])
-    assert select(torch.randn(4, 32)) and select(torch.randn(4, 32, requires_grad=True) * 2)
-    select(torch.randn(8, 8).to_sparse())  # no storage to compare: decided without raising (the engine skips it)
-    with scope:  # the storages are re-read at entry: a moved parameter's old address is forgotten
+    with scope:  # the selector decides during an entry (the bound model's storages are read at entry)
+        assert not select(weight) and not select(weight.t()) and not select(weight[0])
+        assert not select(buffer) and not select(buffer[None])
+        assert select(torch.randn(4, 32)) and select(torch.randn(4, 32, requires_grad=True) * 2)
+        select(torch.randn(8, 8).to_sparse())  # no storage to compare: decided without raising (the engine skips it)
+        # the storages are re-read at entry: a moved parameter's old address is forgotten
         model.model.layers[0].mlp.up_proj.weight.data = weight.data.clone()
     with scope:
         assert not select(model.model.layers[0].mlp.up_proj.weight.data)

@@ -31,7 +31,7 @@ import torch
 from ._logging import log_once as _log_once
 from . import scope as _scope_module
 from .scope import OffloadConfig, OffloadScope, current_scope
-from .policy import Policy, marks_layer_inputs
+from .policy import Policy, marks_layer_inputs, undo_model_changes, wrap_context_fn
 
 logger = logging.getLogger("hsoffload")
 
@@ -157,10 +157,6 @@ def _pass_hidden_states_first(layer: torch.nn.Module, args: tuple, kwargs: dict,
     return args
 
 
-def _pass_hidden_states_marked(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
-    return _pass_hidden_states_first(layer, args, kwargs, mark=True)
-
-
 def _report_reentrant_without_grad(layer: torch.nn.Module, args: tuple) -> None:
     if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or not _uses_reentrant(layer):
         return
@@ -198,8 +194,6 @@ def _begin_layer(scope: OffloadScope, layer: torch.nn.Module, args: tuple, kwarg
 
 def _mark_layer_inputs(scope: OffloadScope, layer: torch.nn.Module, args: tuple, kwargs: dict, visit: Any,
                        compiled: bool) -> tuple:
-    from .policy import marks_layer_inputs, wrap_context_fn
-
     policy = scope.config.policy
     if not marks_layer_inputs(policy):
         return _pass_hidden_states_first(layer, args, kwargs, mark=False)
@@ -207,7 +201,7 @@ def _mark_layer_inputs(scope: OffloadScope, layer: torch.nn.Module, args: tuple,
         return args
     if policy == "sac" and not compiled and not wrap_context_fn(layer):
         _report_sac_without_context(layer)
-    args = _pass_hidden_states_marked(layer, args, kwargs)
+    args = _pass_hidden_states_first(layer, args, kwargs, mark=True)
     _report_reentrant_without_grad(layer, args)
     return args
 
@@ -369,8 +363,6 @@ def unpatch() -> bool:
     If another patch was installed over ours since, ours cannot be taken out of its chain: it is
     made a pure pass-through instead, a warning is logged and False is returned.
     """
-    from .policy import undo_model_changes
-
     cls = _layer_class()
     with _lock:
         _forget_if_removed(cls)
@@ -440,6 +432,8 @@ def check_model(model: torch.nn.Module, policy: Policy = "hidden_states") -> int
             "super().__call__(hidden_states, ...), otherwise it bypasses the GradientCheckpointingLayer patch.",
             ", ".join(overriding),
         )
+    if not marks_layer_inputs(policy):
+        return len(layers)  # "all" and callables need no checkpointing
     wrapper_cls = _checkpoint_wrapper_class()
     wrapped = (
         {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, wrapper_cls)}
@@ -447,8 +441,6 @@ def check_model(model: torch.nn.Module, policy: Policy = "hidden_states") -> int
         else set()
     )
     checkpointed = [m for m in layers if getattr(m, "gradient_checkpointing", False) or id(m) in wrapped]
-    if not marks_layer_inputs(policy):
-        return len(layers)  # "all" and callables need no checkpointing
     if not checkpointed:
         _log_once(
             f"nockptmodel:{type(model).__name__}",

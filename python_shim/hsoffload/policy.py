@@ -103,8 +103,7 @@ class LayerTracker:
         self._keep_last_layers = keep_last_layers
         self._offload_fraction = offload_fraction
         self._names: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
-        self._offload: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-        self.layers: dict[str, LayerStats] = {}
+        self.layers: dict[str, LayerStats] = {}  # by name; `selected` is the layer budget's choice
         self.current: Optional[_Visit] = None
         self.layer_ran = False  # a decoder layer returned in this scope entry: later saves outside layers are "head"
         self.bound = False
@@ -123,13 +122,8 @@ class LayerTracker:
         chosen = selected_layers(len(layers), self._keep_last_layers, self._offload_fraction)
         for (name, layer), offload in zip(layers, chosen):
             self._names[layer] = name
-            self._offload[layer] = offload
             self.layers.setdefault(name, LayerStats(selected=offload))
         self.bound = self.bound or bool(layers)
-
-    def offloads(self, layer: torch.nn.Module) -> bool:
-        """Whether the layer budget lets `layer` offload (layers of no bound model do)."""
-        return self._offload.get(layer, True)
 
     def reset_entry(self) -> None:
         """Forget a layer call left open (an exception inside it) and the head state: a new entry or its exit."""
@@ -147,13 +141,12 @@ class LayerTracker:
                     "hsoffload.offload_hidden_states(model, ...) or scope.bind_model(model)"
                 )
             name = f"{type(layer).__name__}@{id(layer):x}"
-            self._names[layer], self._offload[layer] = name, True
-        offload = self._offload.get(layer, True)
-        stats = self.layers.setdefault(name, LayerStats(selected=offload))
+            self._names[layer] = name
+        stats = self.layers.setdefault(name, LayerStats(selected=True))  # layers of no bound model offload
         stats.calls += 1
         self._engine.begin_group()
         tensors, nbytes = _stat_pair(self._engine)
-        self.current = _Visit(name, offload, compiled, checkpointed, tensors, nbytes, self.current)
+        self.current = _Visit(name, stats.selected, compiled, checkpointed, tensors, nbytes, self.current)
         return self.current
 
     def end(self, visit: _Visit) -> None:
@@ -251,25 +244,10 @@ def track_module_names(model: torch.nn.Module) -> None:
 # Which saved tensors a policy marks
 
 
-class TensorSet:
-    """Tensors by identity, weakly (a WeakSet would compare tensors with ==)."""
-
-    def __init__(self) -> None:
-        self._refs: dict[int, "weakref.ref[torch.Tensor]"] = {}
-
-    def add(self, t: torch.Tensor) -> None:
-        self._refs[id(t)] = weakref.ref(t)
-
-    def __contains__(self, t: Optional[torch.Tensor]) -> bool:
-        ref = self._refs.get(id(t)) if t is not None else None
-        return ref is not None and ref() is t
-
-
-def is_parameter_or_view(x: torch.Tensor, excluded: TensorSet, storages: set[int]) -> bool:
-    """A parameter, a buffer, or a view or detached alias of one (by Python type, by identity, or by storage: the
-    storages of the bound models' parameters and buffers when they were bound)."""
-    base = x._base
-    if isinstance(x, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter) or x in excluded or base in excluded:
+def is_parameter_or_view(x: torch.Tensor, storages: set[int]) -> bool:
+    """A parameter, a buffer, or a view or detached alias of one: by Python type, or by storage (the storages of the
+    bound models' parameters and buffers at the scope's entry)."""
+    if isinstance(x, torch.nn.Parameter) or isinstance(x._base, torch.nn.Parameter):
         return True
     if not storages or x.layout != torch.strided or x.is_nested:
         return False  # sparse and nested tensors have no storage to compare (and are never parameters here)
@@ -293,28 +271,27 @@ class Selector:
         self._min = min_offload_size
         self._cpu = offload_cpu_tensors
         self._head = offload_output_head
-        self.excluded = TensorSet()  # buffers of bound models
         self.storages: set[int] = set()  # storage addresses of bound models' parameters and buffers
+
+    def movable(self, x: torch.Tensor) -> bool:
+        """Worth a host copy at all: on the device (or CPU with offload_cpu_tensors), at least min_offload_size
+        bytes, not a parameter or buffer. Shared by the pack-hook decision and policy "sac"'s cache."""
+        if (x.is_cpu and not self._cpu) or x.numel() * x.element_size() < self._min:
+            return False
+        return not is_parameter_or_view(x, self.storages)
 
     def __call__(self, x: torch.Tensor) -> bool:
         if torch._C._current_graph_task_id() != -1:
             return False  # saved during backward (a reentrant checkpoint's recompute): needed at once
-        if (x.is_cpu and not self._cpu) or x.numel() * x.element_size() < self._min:
-            return False
         visit = self._tracker.current
         if visit is not None and not visit.offload:
             return False
         if self._policy == "sac":
             # A compiled checkpointed layer saves what its SAC policy keeps through autograd: offload those saves.
-            return (
-                visit is not None
-                and visit.compiled
-                and visit.checkpointed
-                and not is_parameter_or_view(x, self.excluded, self.storages)
-            )
+            return visit is not None and visit.compiled and visit.checkpointed and self.movable(x)
         if visit is None and self._tracker.layer_ran and not self._head and self._policy == "all":
             return False
-        if is_parameter_or_view(x, self.excluded, self.storages):
+        if not self.movable(x):
             return False
         if self._policy == "all":
             return True

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ._logging import log_once
-from .policy import LayerStats, LayerTracker, Policy, Selector, is_parameter_or_view, pack_sac_value, policy_name
+from .policy import LayerStats, LayerTracker, Policy, Selector, pack_sac_value, policy_name
 from .policy import reset_head_state_on_forward, track_module_names, validate_policy
 
 logger = logging.getLogger("hsoffload")
@@ -286,7 +286,6 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         # print their own line set it to False.
         self.report_layers = True
         self._selector: Optional[Selector] = None
-        self._names_tracked = False
         self._bound_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         if c.policy != "hidden_states":
             self._selector = Selector(
@@ -320,14 +319,12 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         if GradientCheckpointingLayer is not None:
             self.layer_tracker.bind(model, GradientCheckpointingLayer)
         if self._selector is not None:
-            for buf in model.buffers():
-                self._selector.excluded.add(buf)
             self._bound_models.add(model)
-            self._refresh_parameter_storages()
+            if self.active:
+                self._refresh_parameter_storages()  # otherwise the next entry reads them
             reset_head_state_on_forward(model, lambda: getattr(current_scope(), "layer_tracker", None))
         if callable(self.config.policy):
             track_module_names(model)
-            self._names_tracked = True
         return self
 
     def _refresh_parameter_storages(self) -> None:
@@ -350,15 +347,11 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
 
     def pack_sac_entry(self, value: Any) -> Any:
         """Policy "sac": a value torch's selective-checkpoint cache stores, with its tensors handed to the engine."""
-        c = self.config
-
-        select = self._selector
+        select = self._selector  # always set for policy "sac"
 
         def pack_tensor(t: torch.Tensor) -> Optional[torch.Tensor]:
-            if (t.is_cpu and not c.offload_cpu_tensors) or t.numel() * t.element_size() < c.min_offload_size:
-                return None
-            if select is not None and is_parameter_or_view(t, select.excluded, select.storages):
-                return None  # a SAC policy that keeps a view of a weight (aten.t): the weight stays where it is
+            if not select.movable(t):
+                return None  # small, CPU, or a weight a SAC policy keeps a view of (aten.t): it stays where it is
             self._scope.mark(t)
             return torch.ops.hsoffload.offload_pack(t, self.id)
 
@@ -370,7 +363,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 "hsoffload: keep_last_layers/offload_fraction need the model's decoder layers; create the scope with "
                 "hsoffload.offload_hidden_states(model, ...) or call scope.bind_model(model) before entering it"
             )
-        if callable(self.config.policy) and not self._names_tracked:
+        if callable(self.config.policy) and not self._bound_models:
             log_once(
                 "callable-no-model",
                 logging.WARNING,

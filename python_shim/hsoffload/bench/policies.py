@@ -16,7 +16,7 @@ import importlib
 import logging
 import time
 import weakref
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -144,8 +144,8 @@ def _step(row: _Row, model: torch.nn.Module, batch: dict[str, torch.Tensor], dev
     common.synchronize(device)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        if scope is not None or not moves_everything and measurable:
-            stack.enter_context(ctx)  # hsoffload's scope (entered for its layer tracking) or a no-op
+        if scope is not None:
+            stack.enter_context(ctx)  # entered for its layer tracking; the timeline calls its hooks
         common.train_step(model, batch, timeline)
     common.synchronize(device)
     row.times.append(time.perf_counter() - t0)
