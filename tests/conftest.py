@@ -26,6 +26,6 @@ def cpu_scope_kwargs() -> dict:
 @pytest.fixture(autouse=True)
 def _no_scope_left_behind():
     yield
-    from hsoffload.scope import current_scope
+    from hsoffload.current import current_scope
 
     assert current_scope() is None, "a test left an offload scope active on this thread"

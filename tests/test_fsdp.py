@@ -240,7 +240,7 @@ def test_drop_mode_drops_only_flagged_writes() -> None:
     torch.ops.hsoffload.skip_init_non_rank0([lin.weight, lin.bias], 1, 1, True, True, rec)
     w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()
     other = torch.zeros(4)
-    with torch.no_grad(), hf._DropFlaggedWrites(rec):
+    with torch.no_grad(), hf.DropFlaggedWrites(rec):
         lin.weight.data.normal_()  # unguarded, through .data
         lin.weight[1].zero_()  # a view
         torch.nn.init.uniform_(lin.bias)  # torch's init
@@ -269,7 +269,7 @@ def test_patch_unpatch_exact_and_idempotent() -> None:
     try:
         assert hf.is_patched()
         wrapped = PreTrainedModel.__dict__[hf._INIT_NAME]
-        assert wrapped is not before[hf._INIT_NAME] and getattr(wrapped, "_hsoffload_fsdp", False)
+        assert wrapped is not before[hf._INIT_NAME] and getattr(wrapped, "_hsoffload_patched", False)
         assert wrapped.__wrapped__ is before[hf._INIT_NAME]
     finally:
         hf.unpatch()
@@ -288,7 +288,7 @@ def test_patch_unpatch_exact_and_idempotent() -> None:
         hf.unpatch()
         assert PreTrainedModel.__dict__[hf._INIT_NAME] is theirs and not hf.is_patched()
         hf.patch()  # ours stays in their chain, active again
-        assert PreTrainedModel.__dict__[hf._INIT_NAME] is theirs and hf._state.active
+        assert PreTrainedModel.__dict__[hf._INIT_NAME] is theirs and hf.INITIALIZE_MISSING_KEYS.active
     finally:
         PreTrainedModel._initialize_missing_keys = ours
         hf.unpatch()

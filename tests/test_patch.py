@@ -31,7 +31,7 @@ def pristine() -> Iterator[Any]:
     forget_logged()
     yield original
     GradientCheckpointingLayer.__call__ = original
-    hpatch._state.installed, hpatch._state.previous, hpatch._state.active = None, hpatch._MISSING, False
+    hpatch.LAYER_CALL.forget()
 
 
 class TinyLayer(GradientCheckpointingLayer):

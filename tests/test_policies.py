@@ -288,7 +288,7 @@ def test_layer_budget_applies_to_policy_all_without_checkpointing():
 
 
 def test_selected_layers_takes_the_first_share_before_the_kept_ones():
-    from hsoffload.policy import selected_layers
+    from hsoffload.layers import selected_layers
 
     assert selected_layers(8, 2, 1.0) == [True] * 6 + [False] * 2
     assert selected_layers(8, 0, 0.5) == [True] * 4 + [False] * 4
@@ -327,7 +327,7 @@ def test_prefetch_groups_bring_back_a_whole_layer_ahead():
 
 
 def test_sac_cache_entries_serve_the_dict_and_the_list_layouts_of_torch_releases():
-    from hsoffload.policy import _OffloadingEntries
+    from hsoffload.sac import _OffloadingEntries
 
     packed: list[object] = []
     entries = _OffloadingEntries(lambda v: packed.append(v) or v)

@@ -22,19 +22,18 @@ def _ensure_loaded() -> None:
 
 _ensure_loaded()
 
-from .scope import (  # noqa: E402  (the ops must be registered first)
-    BudgetStats,
-    OffloadConfig,
-    OffloadScope,
-    OffloadStats,
-    PoolStats,
+from .config import OffloadConfig  # noqa: E402  (the ops must be registered first)
+from .stats import BudgetStats, OffloadStats, PoolStats, SpillStats  # noqa: E402
+from .host import (  # noqa: E402
+    budget_stats,
     cumulative_stats,
     empty_pool,
-    budget_stats,
-    mark_hidden_state,
     pool_stats,
+    process_stats,
     set_host_budget,
+    set_pool_limit,
 )
+from .scope import OffloadScope, mark_hidden_state  # noqa: E402
 from .patch import check_model, is_patched, offload_hidden_states, patch, unpatch  # noqa: E402
 from . import fsdp  # noqa: E402  (FSDP RAM-efficient loading: hsoffload.fsdp.patch())
 from .fsdp import patch_initialize_missing_keys_for_fsdp  # noqa: E402
@@ -53,6 +52,9 @@ __all__ = [
     "OffloadStats",
     "PoolStats",
     "cumulative_stats",
+    "process_stats",
+    "set_pool_limit",
+    "SpillStats",
     "empty_pool",
     "fsdp",
     "patch_initialize_missing_keys_for_fsdp",

@@ -36,10 +36,10 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from ._logging import log_once as _log_once
+from .classpatch import ClassPatch
+from .fsdp_modes import DropFlaggedWrites, LazyPlaceholders
+from .targets import pretrained_model_class
 
 logger = logging.getLogger("hsoffload")
 
@@ -57,11 +57,8 @@ __all__ = [
 
 _INIT_NAME = "_initialize_missing_keys"
 _MOVE_NAME = "_move_missing_keys_from_meta_to_device"
-_MISSING = object()  # "the class had no attribute of its own"
 _TRUE = {"1", "y", "yes", "t", "true", "on"}
 _FALSE = {"0", "n", "no", "f", "false", "off", ""}
-
-_lock = threading.Lock()  # serialises patch()/unpatch()
 
 
 
@@ -147,12 +144,6 @@ def last_report() -> Optional[InitSkipReport]:
 # --------------------------------------------------------------------------- transformers facts
 
 
-def _pretrained_model_class() -> type:
-    from transformers import PreTrainedModel
-
-    return PreTrainedModel
-
-
 @functools.lru_cache(maxsize=None)
 def has_upstream_fix() -> bool:
     """Whether the installed transformers flags non-rank-0 tensors itself (fix #44473, 5.4+).
@@ -161,10 +152,7 @@ def has_upstream_fix() -> bool:
     number decides only when the source is unavailable. 4.x needs no such fix (it never
     re-initialised non-rank-0 weights this way) and reports False.
     """
-    cls = _pretrained_model_class()
-    method = _state.previous.get(_INIT_NAME, _MISSING) if _state.installed else cls.__dict__.get(_INIT_NAME, _MISSING)
-    if method is _MISSING:
-        method = getattr(cls, _INIT_NAME, None)
+    method = INITIALIZE_MISSING_KEYS.original() or getattr(pretrained_model_class(), _INIT_NAME, None)
     try:
         src = inspect.getsource(method)
         return "is_fsdp_enabled()" in src and "_is_hf_initialized = True" in src
@@ -223,145 +211,6 @@ def _mark_fully_flagged_modules(model: torch.nn.Module, is_flagged: Callable[[to
     return marked
 
 
-# --------------------------------------------------------------------------- modes
-
-
-@functools.lru_cache(maxsize=None)
-def _write_plan(func: torch._ops.OpOverload) -> Optional[tuple[list[tuple[int, str]], list[Optional[tuple[int, str]]]]]:
-    """For an op that writes some argument: (written args, what each return aliases); else None."""
-    schema = func._schema
-    written: list[tuple[int, str]] = []
-    by_set: dict[str, tuple[int, str]] = {}
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is not None and info.is_write:
-            written.append((i, arg.name))
-            for s in info.before_set:
-                by_set[s] = (i, arg.name)
-    if not written:
-        return None
-    returns: list[Optional[tuple[int, str]]] = []
-    for ret in schema.returns:
-        info = ret.alias_info
-        target = None
-        if info is not None:
-            target = next((by_set[s] for s in info.before_set if s in by_set), None)
-        returns.append(target)
-    return written, returns
-
-
-def _arg(args: Sequence[Any], kwargs: dict[str, Any], where: tuple[int, str]) -> Any:
-    i, name = where
-    return args[i] if i < len(args) else kwargs.get(name)
-
-
-class _DropFlaggedWrites(TorchDispatchMode):
-    """Drops every op that writes only into flagged storages; counts them in the record.
-
-    An op that writes a mix of flagged and unflagged tensors (a `_foreach_*_` over a list) runs
-    on the unflagged ones only. An op whose result is not an alias of what it writes (nothing
-    in init code) cannot be dropped: it runs, and is logged.
-    """
-
-    def __init__(self, record: Any) -> None:
-        super().__init__()
-        self._record = record
-
-    def _flagged(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and bool(self._record.is_flagged(t))
-
-    def _drop(self, t: torch.Tensor) -> None:
-        self._record.note_dropped_write(t.numel() * t.element_size())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        plan = _write_plan(func)
-        if plan is None:
-            return func(*args, **kwargs)
-        written, returns = plan
-        targets = [_arg(args, kwargs, w) for w in written]
-        flat = [t for x in targets for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
-        hits = [self._flagged(t) for t in flat]
-        if not any(hits):
-            return func(*args, **kwargs)
-        droppable = all(r is not None for r in returns)
-        if all(hits) and droppable:
-            for t in flat:
-                self._drop(t)
-            outs = [_arg(args, kwargs, r) for r in returns]  # type: ignore[arg-type]
-            if not outs:
-                return None
-            return outs[0] if len(outs) == 1 else tuple(outs)
-        lists = [w for w, x in zip(written, targets) if isinstance(x, (list, tuple))]
-        if len(lists) == 1 and all(r is None or r == lists[0] for r in returns) and not func._schema.returns:
-            # `_foreach_op_(self, other...)`: drop the flagged entries of every list argument
-            # of the same length, keep the rest.
-            where = lists[0]
-            full = _arg(args, kwargs, where)
-            keep = [i for i, t in enumerate(full) if not self._flagged(t)]
-            for i, t in enumerate(full):
-                if i not in keep:
-                    self._drop(t)
-            n = len(full)
-
-            def subset(x: Any) -> Any:
-                return [x[i] for i in keep] if isinstance(x, (list, tuple)) and len(x) == n else x
-
-            if keep:
-                func(*[subset(a) for a in args], **{k: subset(v) for k, v in kwargs.items()})
-            return None
-        _log_once(
-            f"mixed:{func}",
-            logging.WARNING,
-            "hsoffload.fsdp: %s writes into parameters that arrive by broadcast but cannot be "
-            "dropped (mixed or non-aliasing outputs); it runs as stock",
-            func,
-        )
-        return func(*args, **kwargs)
-
-
-class _LazyPlaceholders(TorchFunctionMode):
-    """Turns `zeros_like`/`empty_like(t, device="cpu")` into lazily committed zeros.
-
-    Active only around `_move_missing_keys_from_meta_to_device` on a skipping rank, where those
-    calls make the placeholders of every parameter and buffer (of meta tensors, or of the
-    checkpoint's mmap-backed tensors that transformers 5.x loads on non-rank-0 too). Zeros are
-    what `zeros_like` promises and a valid value for `empty_like`.
-    """
-
-    _FUNCS = (torch.zeros_like, torch.empty_like)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self.nbytes = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        if func in self._FUNCS and args and isinstance(args[0], torch.Tensor):
-            src = args[0]
-            device = kwargs.get("device", src.device)
-            extra = set(kwargs) - {"device", "dtype"}
-            if (
-                (src.is_meta or src.is_contiguous())
-                and torch.device(device).type == "cpu"
-                and src.layout == torch.strided
-                and not extra
-                and len(args) == 1
-            ):
-                # Another dtype: describe the result on the meta device (never a full-size copy of src).
-                like = (
-                    src
-                    if kwargs.get("dtype") in (None, src.dtype)
-                    else torch.empty_like(src, device="meta", dtype=kwargs["dtype"])
-                )
-                out = torch.classes.hsoffload.InitSkipRecord.lazy_zeros_like(like)
-                self.count += 1
-                self.nbytes += out.numel() * out.element_size()
-                return out
-        return func(*args, **kwargs)
-
-
 # --------------------------------------------------------------------------- the wrappers
 
 
@@ -384,11 +233,11 @@ def _is_quantized_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return bool(bools[-1]) if bools else False
 
 
-def _make_initialize_missing_keys(original: Callable[..., Any]) -> Callable[..., Any]:
+def _make_initialize_missing_keys(original: Callable[..., Any], patch: ClassPatch) -> Callable[..., Any]:
     @functools.wraps(original)
     def _initialize_missing_keys(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         global _last_report
-        if not _state.active:
+        if not patch.active:
             return original(self, *args, **kwargs)
         fixed = has_upstream_fix()
         tensors, _ = _tensors_to_flag(self)
@@ -406,7 +255,7 @@ def _make_initialize_missing_keys(original: Callable[..., Any]) -> Callable[...,
                     t._is_hf_initialized = True
         skipped_modules = _mark_fully_flagged_modules(self, lambda t: bool(record.is_flagged(t)))
         storages = [(t, t.untyped_storage().data_ptr()) for t, f in zip(tensors, flags) if f]
-        with _DropFlaggedWrites(record):
+        with DropFlaggedWrites(record):
             result = original(self, *args, **kwargs)
         replaced = sum(1 for t, ptr in storages if t.untyped_storage().data_ptr() != ptr)
         if replaced:
@@ -441,15 +290,14 @@ def _make_initialize_missing_keys(original: Callable[..., Any]) -> Callable[...,
         )
         return result
 
-    _initialize_missing_keys._hsoffload_fsdp = True  # type: ignore[attr-defined]
     return _initialize_missing_keys
 
 
-def _make_move_missing_keys(original: Callable[..., Any]) -> Callable[..., Any]:
+def _make_move_missing_keys(original: Callable[..., Any], patch: ClassPatch) -> Callable[..., Any]:
     @functools.wraps(original)
     def _move_missing_keys_from_meta_to_device(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         _placeholders.last = (0, 0)
-        if not _state.active or _is_quantized_call(args, kwargs) or _quantizer_arg(args, kwargs):
+        if not patch.active or _is_quantized_call(args, kwargs) or _quantizer_arg(args, kwargs):
             return original(self, *args, **kwargs)
         facts = rank_facts()
         record = torch.classes.hsoffload.InitSkipRecord()
@@ -458,13 +306,12 @@ def _make_move_missing_keys(original: Callable[..., Any]) -> Callable[..., Any]:
         )
         if not record.skip():
             return original(self, *args, **kwargs)
-        mode = _LazyPlaceholders()
+        mode = LazyPlaceholders()
         with mode:
             result = original(self, *args, **kwargs)
         _placeholders.last = (mode.count, mode.nbytes)
         return result
 
-    _move_missing_keys_from_meta_to_device._hsoffload_fsdp = True  # type: ignore[attr-defined]
     return _move_missing_keys_from_meta_to_device
 
 
@@ -477,18 +324,6 @@ def _quantizer_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 # --------------------------------------------------------------------------- patch / unpatch
 
 
-@dataclasses.dataclass
-class _PatchState:
-    """The process-wide patch (a monkeypatch is process-wide by nature)."""
-
-    installed: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)  # name -> our wrapper
-    previous: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> replaced class attribute
-    active: bool = False  # False: our wrappers only forward (left in place under someone else's patch)
-
-
-_state = _PatchState()
-
-
 def _has_fsdp_placeholder_branch(method: Any) -> bool:
     """Whether `_move_missing_keys_from_meta_to_device` materialises non-rank-0 tensors itself."""
     try:
@@ -498,36 +333,30 @@ def _has_fsdp_placeholder_branch(method: Any) -> bool:
     return "is_fsdp_enabled()" in src and ("zeros_like" in src or "empty_like" in src)
 
 
+_lock = threading.Lock()  # serialises patch()/unpatch() (the two ClassPatches move together)
+INITIALIZE_MISSING_KEYS = ClassPatch(
+    pretrained_model_class,
+    _INIT_NAME,
+    lambda previous, patch: _make_initialize_missing_keys(previous, patch),
+    missing_hint="; FSDP RAM-efficient loading needs transformers >= 4.56",
+)
+MOVE_MISSING_KEYS = ClassPatch(
+    pretrained_model_class, _MOVE_NAME, lambda previous, patch: _make_move_missing_keys(previous, patch)
+)
+
+
 def patch() -> None:
     """Install the wrappers on `transformers.PreTrainedModel`. Idempotent; thread-safe."""
-    cls = _pretrained_model_class()
+    cls = pretrained_model_class()
     with _lock:
-        _state.active = True
-        names = [_INIT_NAME]
-        move = getattr(cls, _MOVE_NAME, None)
-        if move is not None and _has_fsdp_placeholder_branch(_state.previous.get(_MOVE_NAME, move)):
-            names.append(_MOVE_NAME)
-        for name in names:
-            current = cls.__dict__.get(name, _MISSING)
-            if name in _state.installed and current is _state.installed[name]:
-                continue  # already ours, on top
-            if name in _state.installed:
-                # Someone patched over ours; ours stays in their chain and is active again.
-                continue
-            if current is _MISSING:
-                raise AttributeError(
-                    f"hsoffload.fsdp.patch: transformers.PreTrainedModel has no {name}; "
-                    "FSDP RAM-efficient loading needs transformers >= 4.56"
-                )
-            make = _make_initialize_missing_keys if name == _INIT_NAME else _make_move_missing_keys
-            wrapper = make(current)
-            _state.previous[name] = current
-            _state.installed[name] = wrapper
-            setattr(cls, name, wrapper)
+        INITIALIZE_MISSING_KEYS.install()
+        move = MOVE_MISSING_KEYS.original() or getattr(cls, _MOVE_NAME, None)
+        if move is not None and _has_fsdp_placeholder_branch(move):
+            MOVE_MISSING_KEYS.install()
         has_upstream_fix.cache_clear()
     logger.info(
         "hsoffload.fsdp: patched %s (upstream fix #44473 %s)",
-        ", ".join(f"PreTrainedModel.{n}" for n in _state.installed),
+        ", ".join(f"PreTrainedModel.{p.name}" for p in (INITIALIZE_MISSING_KEYS, MOVE_MISSING_KEYS) if p.installed),
         "present" if has_upstream_fix() else "absent: flags added by hsoffload",
     )
 
@@ -538,24 +367,16 @@ def unpatch() -> None:
     Where another patch has been installed over ours, ours cannot be taken out of that chain;
     it is turned into a pure pass-through instead (a later `patch()` turns it back on).
     """
-    cls = _pretrained_model_class()
+    pretrained_model_class()
     with _lock:
-        _state.active = False
-        for name in list(_state.installed):
-            if cls.__dict__.get(name, _MISSING) is _state.installed[name]:
-                setattr(cls, name, _state.previous.pop(name))
-                del _state.installed[name]
-            else:
-                logger.warning(
-                    "hsoffload.fsdp.unpatch: PreTrainedModel.%s was patched over ours; ours now only forwards", name
-                )
+        MOVE_MISSING_KEYS.remove()
+        INITIALIZE_MISSING_KEYS.remove()
         has_upstream_fix.cache_clear()
 
 
 def is_patched() -> bool:
     """True while our wrappers are installed and active."""
-    cls = _pretrained_model_class()
-    return _state.active and any(cls.__dict__.get(n) is w for n, w in _state.installed.items())
+    return INITIALIZE_MISSING_KEYS.is_installed() or MOVE_MISSING_KEYS.is_installed()
 
 
 def patch_initialize_missing_keys_for_fsdp() -> None:

@@ -1,218 +1,34 @@
-"""Offload scope: a context manager over saved_tensors_hooks that dispatches into the hsoffload ops."""
+"""`OffloadScope`: a context manager over `saved_tensors_hooks` whose pack/unpack hooks dispatch into the engine
+(`torch.ops.hsoffload.offload_pack` / `offload_unpack`), and `mark_hidden_state`.
+
+The scope composes what the other modules decide: the policy's `Selector` (which saves to mark), the `LayerTracker`
+(layer budget, prefetch groups, per-layer counters), policy "sac"'s cache packing, and DTensor handling (a marked
+DTensor offloads its local shard). Thread-safety: a scope is entered on one thread (`hsoffload.current`); its hooks
+run on that thread in forward and on autograd's threads in backward, where only the engine (thread-safe) is called.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import re
 import threading
 import weakref
 from types import TracebackType
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
+from . import current
 from ._logging import log_once
-from .policy import LayerStats, LayerTracker, Policy, Selector, pack_sac_value, policy_name
-from .policy import reset_head_state_on_forward, track_module_names, validate_policy
+from .config import OffloadConfig
+from .current import current_scope
+from .host import apply_host_budget, budget_stats
+from .layers import LayerStats, LayerTracker, reset_head_state_on_forward
+from .policy import Selector, policy_name, track_module_names
+from .sac import pack_sac_value
+from .stats import OffloadStats, SpillStats, from_engine
 
 logger = logging.getLogger("hsoffload")
-
-_STAT_FIELDS = (
-    "saved_tensors_seen",
-    "marked_tensors",
-    "offloaded_tensors",
-    "restored_tensors",
-    "skipped_marked_tensors",
-    "offloaded_bytes",
-    "restored_bytes",
-    "prefetch_hits",
-    "wait_ns",
-    "pool_bytes",
-    "spilled_tensors",
-    "spilled_bytes",
-    "spill_read_wait_ns",
-    "kept_on_device_tensors",
-)
-# Python-side mirror of the engine's per-thread scope stack, so the transformers
-# patch can ask "is a scope active on this thread?" without a dispatcher call.
-_tls = threading.local()
-# Scopes entered and not yet exited, process-wide: lets code that torch.compile traces skip hsoffload's graph breaks
-# while no scope is active anywhere (dynamo guards on the value of `any_active`). Guarded by _active_lock.
-_active_lock = threading.Lock()
-_active_count = 0
-any_active = False
-
-
-def _count_active(delta: int) -> None:
-    global _active_count, any_active
-    with _active_lock:
-        _active_count += delta
-        any_active = _active_count > 0
-
-
-def current_scope() -> Optional["OffloadScope"]:
-    """The innermost offload scope entered on this thread, or None."""
-    stack = getattr(_tls, "stack", None)
-    return stack[-1] if stack else None
-
-
-def entered_on_this_thread(scope: "OffloadScope") -> bool:
-    """True if `scope` is active on the calling thread (anywhere in its stack, not only innermost)."""
-    return scope in getattr(_tls, "stack", ())
-
-
-_POOL_FIELDS = (
-    "held_bytes",
-    "in_use_bytes",
-    "cached_bytes",
-    "peak_held_bytes",
-    "allocations",
-    "reuses",
-    "unpooled",
-    "acquires",
-    "slabs",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class OffloadStats:
-    """Counters of one scope (or of the process, see `cumulative_stats`)."""
-
-    saved_tensors_seen: int = 0
-    marked_tensors: int = 0
-    offloaded_tensors: int = 0
-    restored_tensors: int = 0
-    skipped_marked_tensors: int = 0
-    offloaded_bytes: int = 0
-    restored_bytes: int = 0
-    prefetch_hits: int = 0
-    wait_ns: int = 0
-    pool_bytes: int = 0
-    spilled_tensors: int = 0
-    spilled_bytes: int = 0
-    spill_read_wait_ns: int = 0
-    kept_on_device_tensors: int = 0
-
-    @classmethod
-    def from_list(cls, values: list[int]) -> "OffloadStats":
-        if len(values) != len(_STAT_FIELDS):
-            raise RuntimeError(
-                f"hsoffload: the op library reports {len(values)} counters, this Python package expects "
-                f"{len(_STAT_FIELDS)}; the library and the package come from different versions: rebuild"
-            )
-        return cls(**dict(zip(_STAT_FIELDS, values)))
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolStats:
-    """What the process-wide host pool holds."""
-
-    held_bytes: int = 0
-    in_use_bytes: int = 0
-    cached_bytes: int = 0
-    peak_held_bytes: int = 0
-    allocations: int = 0  # slabs (and unpooled buffers) obtained from the allocator
-    reuses: int = 0  # loans served by existing slabs
-    unpooled: int = 0
-    acquires: int = 0  # loans made
-    slabs: int = 0  # slabs held now
-
-
-@dataclasses.dataclass(frozen=True)
-class BudgetStats:
-    """The process-wide host budget (`max_host_bytes`): offloaded bytes resident in host memory."""
-
-    limit: int = 0
-    in_flight: int = 0
-    peak: int = 0  # since the limit was last set
-    refused: int = 0  # packs that did not fit (spilled or kept on the device)
-    is_auto: bool = True
-    mem_available: int = 0  # what "auto" was computed from
-    local_world_size: int = 1
-
-
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(value: Union[int, str], what: str) -> Union[int, str]:
-    """`value` as an int of bytes, or "auto". Accepts ints and strings like "64GiB", "500MB", "1e9" is refused."""
-    if isinstance(value, bool):
-        raise ValueError(f"hsoffload: {what} must be bytes (an int or a string like '64GiB') or 'auto', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"hsoffload: {what} must be >= 0 bytes, got {value}")
-        return value
-    if isinstance(value, str):
-        if value.strip().lower() == "auto":
-            return "auto"
-        m = _BYTES.match(value)
-        if m:
-            unit = m.group(2).lower()
-            base = 1024 if (m.group(3) or "").lower() == "ib" or not m.group(3) else 1000
-            return int(float(m.group(1)) * base ** " kmgt".index(unit or " "))
-    raise ValueError(f"hsoffload: {what} must be bytes (an int or a string like '64GiB') or 'auto', got {value!r}")
-
-
-def _env_max_host_bytes() -> Union[int, str, None]:
-    value = os.environ.get("HSOFFLOAD_MAX_HOST_BYTES")
-    return None if value is None else parse_bytes(value, "HSOFFLOAD_MAX_HOST_BYTES")
-
-
-def _env_spill_dir() -> Optional[str]:
-    return os.environ.get("HSOFFLOAD_SPILL_DIR") or None
-
-
-@dataclasses.dataclass(frozen=True)
-class OffloadConfig:
-    """Every knob of an offload scope, validated once."""
-
-    min_offload_size: int = 1024
-    offload_cpu_tensors: bool = False
-    pin_memory: bool = True
-    use_streams: bool = True
-    prefetch_depth: int = 1
-    max_pool_bytes: Optional[int] = None  # process-wide host pool bound, applied when the scope is entered
-    # Process-wide bound of offloaded bytes in host memory, applied when the scope is entered: bytes, or "auto"
-    # (80 % of MemAvailable at first use / LOCAL_WORLD_SIZE). Default: $HSOFFLOAD_MAX_HOST_BYTES, else None: keep
-    # the process's budget as it is (auto, resolved at first use, unless set_host_budget or a scope set it).
-    max_host_bytes: Union[int, str, None] = dataclasses.field(default_factory=_env_max_host_bytes)
-    # Directory for packs over the host budget (None: they stay on the device). Default: $HSOFFLOAD_SPILL_DIR.
-    spill_dir: Optional[str] = dataclasses.field(default_factory=_env_spill_dir)
-    spill_prefetch_depth: int = 2  # spilled tensors read back ahead of their use in backward
-    # What is offloaded: "hidden_states", "sac", "all", or a callable (tensor, module_qualified_name) -> bool
-    # (see hsoffload.policy and docs/usage.md, "Offload policies").
-    policy: Policy = "hidden_states"
-    keep_last_layers: int = 0  # the last k decoder layers keep their tensors on the device
-    offload_fraction: float = 1.0  # share of the other decoder layers (the first ones) that offload
-    offload_output_head: bool = False  # policy "all": also the saves outside decoder layers after one ran (the head)
-
-    def __post_init__(self) -> None:
-        validate_policy(self.policy)
-        if not isinstance(self.offload_fraction, (int, float)) or isinstance(self.offload_fraction, bool) or not (
-            0.0 <= float(self.offload_fraction) <= 1.0
-        ):
-            raise ValueError(f"hsoffload: offload_fraction must be a number in [0, 1], got {self.offload_fraction!r}")
-        if not isinstance(self.offload_output_head, bool):
-            raise TypeError(f"hsoffload: offload_output_head must be a bool, got {self.offload_output_head!r}")
-        if self.max_host_bytes is not None:
-            object.__setattr__(self, "max_host_bytes", parse_bytes(self.max_host_bytes, "max_host_bytes"))
-        if self.spill_dir is not None:
-            if not isinstance(self.spill_dir, (str, os.PathLike)) or not str(self.spill_dir):
-                raise ValueError(f"hsoffload: spill_dir must be a directory path or None, got {self.spill_dir!r}")
-            object.__setattr__(self, "spill_dir", os.fspath(self.spill_dir))
-        for name in ("min_offload_size", "prefetch_depth", "spill_prefetch_depth", "keep_last_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"hsoffload: {name} must be a non-negative int, got {value!r}")
-        for name in ("offload_cpu_tensors", "pin_memory", "use_streams"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"hsoffload: {name} must be a bool, got {getattr(self, name)!r}")
-        if self.max_pool_bytes is not None and (
-            not isinstance(self.max_pool_bytes, int) or isinstance(self.max_pool_bytes, bool) or self.max_pool_bytes < 0
-        ):
-            raise ValueError(f"hsoffload: max_pool_bytes must be None or a non-negative int, got {self.max_pool_bytes!r}")
 
 
 _warned_unmarked = threading.Event()  # "log once" flag, process-wide by intent
@@ -322,7 +138,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             self._bound_models.add(model)
             if self.active:
                 self._refresh_parameter_storages()  # otherwise the next entry reads them
-            reset_head_state_on_forward(model, lambda: getattr(current_scope(), "layer_tracker", None))
+            reset_head_state_on_forward(model)
         if callable(self.config.policy):
             track_module_names(model)
         return self
@@ -378,13 +194,12 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         try:
             self.layer_tracker.reset_entry()  # only once the engine accepted the entry (it refuses a re-entry)
             self._refresh_parameter_storages()
-            _apply_host_budget(self.config.max_host_bytes)
+            apply_host_budget(self.config.max_host_bytes)
             super().__enter__()
         except BaseException:
             self._scope.exit()
             raise
-        _tls.__dict__.setdefault("stack", []).append(self)
-        _count_active(1)
+        current.push(self)
         return self
 
     def __exit__(
@@ -394,7 +209,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         tb: Optional[TracebackType],
     ) -> None:
         inner = current_scope()
-        if inner is not None and inner is not self and self in getattr(_tls, "stack", []):
+        if inner is not None and inner is not self and current.entered_on_this_thread(self):
             raise RuntimeError(
                 f"hsoffload: exiting offload scope #{self.id} while scope #{inner.id}, entered after it on this "
                 "thread, is still active; exit scopes in the reverse order of entering them (innermost first)"
@@ -403,10 +218,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             super().__exit__(exc_type, exc, tb)
         finally:
             self._scope.exit()
-            stack = getattr(_tls, "stack", [])
-            if self in stack:  # at most once: entering an active scope again is refused
-                stack.remove(self)
-                _count_active(-1)
+            current.pop(self)  # at most once: entering an active scope again is refused
         layers_ran = self.layer_tracker.layer_ran
         self.layer_tracker.reset_entry()
         if exc_type is None:
@@ -426,7 +238,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         return self.layer_tracker.summary()
 
     def _report_if_ineffective(self) -> None:
-        stats = OffloadStats.from_list(self._scope.stats())  # the engine's counters, whatever a subclass reports
+        stats = from_engine(OffloadStats, self._scope.stats())  # the engine's counters, whatever a subclass reports
         if stats.kept_on_device_tensors > 0:
             log_once(
                 "kept-on-device",
@@ -477,12 +289,11 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
 
     @property
     def stats(self) -> OffloadStats:
-        return OffloadStats.from_list(self._scope.stats())
+        return from_engine(OffloadStats, self._scope.stats())
 
     def spill_stats(self) -> dict[str, int]:
-        """I/O counters of the spill store this scope writes to (all 0 without spill_dir)."""
-        names = ("bytes_written", "bytes_read", "write_ns", "read_ns", "files", "direct_io")
-        return dict(zip(names, (int(v) for v in self._scope.spill_stats())))
+        """I/O counters of the spill store this scope writes to (all 0 without spill_dir), by name (`SpillStats`)."""
+        return dataclasses.asdict(from_engine(SpillStats, self._scope.spill_stats()))
 
     def tracked_state(self) -> int:
         """Marks and host copies this scope still tracks (0 once graphs are freed)."""
@@ -511,53 +322,3 @@ def mark_hidden_state(x: torch.Tensor) -> torch.Tensor:
             )
         return x
     return torch.ops.hsoffload.mark_hidden_state(x)
-
-
-def cumulative_stats() -> OffloadStats:
-    """Counters summed over every scope in this process."""
-    return OffloadStats.from_list(torch.classes.hsoffload.OffloadScope.process_stats())
-
-
-def pool_stats() -> PoolStats:
-    """What the process-wide host pool holds now."""
-    return PoolStats(**dict(zip(_POOL_FIELDS, torch.classes.hsoffload.OffloadScope.pool_stats())))
-
-
-def empty_pool() -> None:
-    """Free every idle host buffer of the pool."""
-    torch.classes.hsoffload.OffloadScope.empty_pool()
-
-
-def budget_stats() -> BudgetStats:
-    """The process-wide host budget now (an "auto" limit is resolved by this call if it was not yet)."""
-    v = [int(x) for x in torch.classes.hsoffload.OffloadScope.host_budget()]
-    return BudgetStats(v[0], v[1], v[2], v[3], bool(v[4]), v[5], v[6])
-
-
-def set_host_budget(max_host_bytes: Union[int, str]) -> None:
-    """Set the process-wide host budget now: bytes, or "auto" (recomputed from MemAvailable now)."""
-    value = parse_bytes(max_host_bytes, "max_host_bytes")
-    torch.classes.hsoffload.OffloadScope.set_host_budget(-1 if value == "auto" else int(value))
-
-
-def _apply_host_budget(wanted: Union[int, str, None]) -> None:
-    """What a scope entry does with its max_host_bytes. None keeps the budget as it is; "auto" keeps an auto limit
-    resolved at first use (it is not recomputed each step, when MemAvailable already excludes what we offloaded)."""
-    now = budget_stats()
-    if wanted is None or wanted == "auto":
-        if wanted == "auto" and not now.is_auto:
-            set_host_budget("auto")
-            now = budget_stats()
-        if not now.is_auto:
-            return
-        log_once(
-            "auto-budget",
-            logging.INFO,
-            "hsoffload: host budget max_host_bytes=auto: %.2f GiB = 80%% of MemAvailable %.2f GiB / "
-            "LOCAL_WORLD_SIZE %d",
-            now.limit / 2**30,
-            now.mem_available / 2**30,
-            now.local_world_size,
-        )
-    elif now.is_auto or now.limit != wanted:
-        set_host_budget(wanted)

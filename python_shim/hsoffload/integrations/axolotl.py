@@ -27,7 +27,10 @@ from typing import Any
 import torch
 
 from ..patch import patch
-from ..scope import OffloadConfig, OffloadScope, OffloadStats, entered_on_this_thread
+from ..config import OffloadConfig
+from ..current import entered_on_this_thread
+from ..scope import OffloadScope
+from ..stats import OffloadStats, from_engine
 
 logger = logging.getLogger("hsoffload")
 
@@ -108,7 +111,7 @@ class CheckpointHiddenStatesOffload(OffloadScope):
         self._depth = 0  # nested entries of this instance on its thread (Axolotl's module accepts them)
 
     def _engine_stats(self) -> OffloadStats:
-        return OffloadStats.from_list(self._scope.stats())
+        return from_engine(OffloadStats, self._scope.stats())
 
     @property
     def stats(self) -> CheckpointActivationOffloadStats:  # type: ignore[override]

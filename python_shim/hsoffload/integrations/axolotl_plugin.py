@@ -43,7 +43,7 @@ import torch.utils.checkpoint
 from .trainer import enable_hidden_state_offload
 from ..patch import patch
 from .._logging import route_info_to
-from ..scope import OffloadConfig, parse_bytes
+from ..config import OffloadConfig, parse_bytes
 
 logger = logging.getLogger("hsoffload")
 

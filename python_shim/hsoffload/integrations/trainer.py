@@ -34,7 +34,9 @@ from typing import Any, Optional
 import torch
 
 from ..patch import check_model, patch, rebind_compiled_layers
-from ..scope import OffloadConfig, OffloadScope, OffloadStats
+from ..config import OffloadConfig
+from ..scope import OffloadScope
+from ..stats import OffloadStats, is_snapshot
 from ..policy import policy_name
 
 logger = logging.getLogger("hsoffload")
@@ -44,25 +46,19 @@ _STATE_ATTR = "_hsoffload_trainer_state"
 
 
 def offload_log_values(now: OffloadStats, since: OffloadStats) -> dict[str, float]:
-    """The `hsoffload/*` log entries for the counters accumulated between `since` and `now`."""
-
-    def delta(field: str) -> int:
-        return getattr(now, field) - getattr(since, field)
-
-    return {
-        "hsoffload/offloaded_gib": delta("offloaded_bytes") / _GIB,
-        "hsoffload/restored_gib": delta("restored_bytes") / _GIB,
-        "hsoffload/marked_tensors": float(delta("marked_tensors")),
-        "hsoffload/offloaded_tensors": float(delta("offloaded_tensors")),
-        "hsoffload/skipped_marked_tensors": float(delta("skipped_marked_tensors")),
-        "hsoffload/prefetch_hits": float(delta("prefetch_hits")),
-        "hsoffload/wait_ms": delta("wait_ns") / 1e6,
-        "hsoffload/pool_gib": now.pool_bytes / _GIB,
-        "hsoffload/spilled_gib": delta("spilled_bytes") / _GIB,
-        "hsoffload/spilled_tensors": float(delta("spilled_tensors")),
-        "hsoffload/spill_read_wait_ms": delta("spill_read_wait_ns") / 1e6,
-        "hsoffload/kept_on_device_tensors": float(delta("kept_on_device_tensors")),
-    }
+    """The `hsoffload/*` log entries for the counters accumulated between `since` and `now`: one per counter of
+    `OffloadStats` (derived from its fields: `*_bytes` in GiB as `*_gib`, `*_ns` in ms as `*_ms`; snapshot counters
+    such as `pool_bytes` are the value now, the others the change since the last log)."""
+    values: dict[str, float] = {}
+    for field in dataclasses.fields(OffloadStats):
+        value = getattr(now, field.name) if is_snapshot(field) else getattr(now, field.name) - getattr(since, field.name)
+        if field.name.endswith("_bytes"):
+            values[f"hsoffload/{field.name[: -len('_bytes')]}_gib"] = value / _GIB
+        elif field.name.endswith("_ns"):
+            values[f"hsoffload/{field.name[: -len('_ns')]}_ms"] = value / 1e6
+        else:
+            values[f"hsoffload/{field.name}"] = float(value)
+    return values
 
 
 @dataclasses.dataclass

@@ -1,0 +1,165 @@
+"""Why offload would do nothing for (part of) a model: the checks `check_model` runs up front and the once-per-cause
+log lines the transformers patch emits per layer call. Reads models and logs; patches and changes nothing.
+Thread-safety: stateless apart from `log_once`'s process-wide set of logged keys (locked there)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ._logging import log_once
+from .policy import Policy, marks_layer_inputs
+from .targets import checkpoint_function, checkpoint_wrapper_class, layer_class, uses_reentrant
+
+
+def bypass_reason(layer: torch.nn.Module) -> Optional[str]:
+    """Why the offload hooks cannot see this layer's saved inputs, or None."""
+    func, _ = checkpoint_function(layer)
+    qualname = getattr(func, "__qualname__", "")
+    if "gradient_checkpointing_enable" in qualname and "<locals>" in qualname:
+        # transformers >= 5.x `gradient_checkpointing_enable(offload=True)`: the checkpoint runs
+        # under torch's save_on_cpu, an inner saved-tensor hook that takes every input first.
+        return (
+            "gradient checkpointing was enabled with offload=True, whose save_on_cpu hook already moves every "
+            "checkpoint input to host and hides them from hsoffload; enable checkpointing without offload=True"
+        )
+    return None
+
+
+def report_inactive(layer: torch.nn.Module) -> bool:
+    """Log (once per cause) and return True when this call cannot offload the layer's input."""
+    name = type(layer).__name__
+    if not getattr(layer, "gradient_checkpointing", False):
+        log_once(
+            f"nockpt:{name}",
+            logging.WARNING,
+            "hsoffload: %s runs without gradient checkpointing (checkpointing off, or every_n_layers > 1 skips "
+            "it), so its hidden states are not offloaded; call model.gradient_checkpointing_enable(), or use "
+            "policy='all', which offloads the saved activations of layers that are not checkpointed.",
+            name,
+        )
+        return True
+    reason = bypass_reason(layer)
+    if reason is not None:
+        log_once(f"bypass:{name}", logging.WARNING, "hsoffload: %s: %s.", name, reason)
+        return True
+    return False
+
+
+def report_missing_hidden_states(layer: torch.nn.Module) -> None:
+    log_once(
+        f"nohidden:{type(layer).__name__}",
+        logging.WARNING,
+        "hsoffload: %s was called without a hidden_states tensor as first positional argument (or as a keyword "
+        "its forward takes first); nothing to offload for it.",
+        type(layer).__name__,
+    )
+
+
+def report_reentrant_without_grad(layer: torch.nn.Module, args: tuple) -> None:
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or not uses_reentrant(layer):
+        return
+    log_once(
+        f"reentrant-nograd:{type(layer).__name__}",
+        logging.WARNING,
+        "hsoffload: %s uses reentrant checkpointing but none of its tensor inputs requires grad, so the "
+        "checkpoint saves (and hsoffload offloads) nothing, and the layer gets no gradients; call "
+        "model.enable_input_require_grads() (PEFT) or use use_reentrant=False.",
+        type(layer).__name__,
+    )
+
+
+def report_sac_without_context(layer: torch.nn.Module) -> None:
+    log_once(
+        f"sac-nocontext:{type(layer).__name__}",
+        logging.WARNING,
+        "hsoffload: policy='sac' but %s is checkpointed without a selective context_fn (torch.utils.checkpoint."
+        "create_selective_checkpoint_contexts in gradient_checkpointing_kwargs), so SAC keeps nothing and only its "
+        "hidden_states are offloaded",
+        type(layer).__name__,
+    )
+
+
+def report_sac_checkpoint_wrapper(layer: torch.nn.Module) -> None:
+    log_once(
+        "sac-checkpoint-wrapper",
+        logging.WARNING,
+        "hsoffload: policy='sac': %s is checkpointed by torch.distributed's CheckpointWrapper, whose "
+        "checkpoint function hsoffload does not wrap; only its hidden_states are offloaded. Use "
+        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'context_fn': ...}) instead.",
+        type(layer).__name__,
+    )
+
+
+def report_compiled_layer(layer: torch.nn.Module) -> None:
+    log_once(
+        "compiled-layer",
+        logging.INFO,
+        "hsoffload: %s.__call__ runs under torch.compile: hsoffload marks its inputs eagerly in a graph break at the "
+        "layer's start and end (one extra graph per layer; whole-model compile is split at every decoder layer)",
+        type(layer).__name__,
+    )
+
+
+def _overriding_classes(layers: list[torch.nn.Module], base: type) -> list[str]:
+    """Layer classes whose own `__call__` shadows GradientCheckpointingLayer's."""
+    names = set()
+    for layer in layers:
+        for klass in type(layer).__mro__:
+            if klass is base:
+                break
+            if "__call__" in klass.__dict__:
+                names.add(type(layer).__name__)
+                break
+    return sorted(names)
+
+
+def check_model(model: torch.nn.Module, policy: Policy = "hidden_states") -> int:
+    """Log (once per problem) why offload would do nothing for (part of) `model`; return the number
+    of checkpointed layers whose inputs the patch will certainly mark (layers overriding `__call__`
+    are not counted)."""
+    cls = layer_class()
+    layers = [m for m in model.modules() if isinstance(m, cls)]
+    if not layers:
+        log_once(
+            f"nolayers:{type(model).__name__}",
+            logging.WARNING,
+            "hsoffload: %s has no transformers GradientCheckpointingLayer; hidden-state offload will do nothing. "
+            "Mark tensors yourself with torch.ops.hsoffload.mark_hidden_state.",
+            type(model).__name__,
+        )
+        return 0
+    overriding = _overriding_classes(layers, cls)
+    if overriding:
+        log_once(
+            "override:" + ",".join(overriding),
+            logging.WARNING,
+            "hsoffload: %s override __call__; their inputs are offloaded only if that override calls "
+            "super().__call__(hidden_states, ...), otherwise it bypasses the GradientCheckpointingLayer patch.",
+            ", ".join(overriding),
+        )
+    if not marks_layer_inputs(policy):
+        return len(layers)  # "all" and callables need no checkpointing
+    wrapper_cls = checkpoint_wrapper_class()
+    wrapped = (
+        {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, wrapper_cls)}
+        if wrapper_cls is not None
+        else set()
+    )
+    checkpointed = [m for m in layers if getattr(m, "gradient_checkpointing", False) or id(m) in wrapped]
+    if not checkpointed:
+        log_once(
+            f"nockptmodel:{type(model).__name__}",
+            logging.WARNING,
+            "hsoffload: gradient checkpointing is off on every layer of %s; call "
+            "model.gradient_checkpointing_enable() for hidden-state offload to take effect.",
+            type(model).__name__,
+        )
+    bypassed = [m for m in checkpointed if bypass_reason(m) is not None]
+    if bypassed:
+        name = type(bypassed[0]).__name__
+        log_once(f"bypass:{name}", logging.WARNING, "hsoffload: %s: %s.", name, bypass_reason(bypassed[0]))
+    overriding_set = set(overriding)
+    return sum(1 for m in checkpointed if m not in bypassed and type(m).__name__ not in overriding_set)

@@ -1,0 +1,81 @@
+"""Process-wide host memory for offload: the host pool and the host budget, and the process's counters.
+
+Thin readers and setters over the engine's static ops (`torch.classes.hsoffload.OffloadScope.*`). The pool is the
+pinned memory that holds host copies (bounded by the pool limit, `OffloadConfig.max_pool_bytes`); the budget bounds
+the offloaded bytes resident in it (`max_host_bytes`), past which packs spill or stay on the device.
+Thread-safety: the engine serialises every call; nothing here holds state of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Union
+
+import torch
+
+from ._logging import log_once
+from .config import parse_bytes
+from .stats import BudgetStats, OffloadStats, PoolStats, from_engine
+
+logger = logging.getLogger("hsoffload")
+
+
+def _engine() -> type:
+    return torch.classes.hsoffload.OffloadScope
+
+
+def process_stats() -> OffloadStats:
+    """Counters summed over every scope in this process."""
+    return from_engine(OffloadStats, _engine().process_stats())
+
+
+cumulative_stats = process_stats  # the name docs/usage.md used before process_stats
+
+
+def pool_stats() -> PoolStats:
+    """What the process-wide host pool holds now."""
+    return from_engine(PoolStats, _engine().pool_stats())
+
+
+def set_pool_limit(max_pool_bytes: int) -> None:
+    """Bound the process-wide host pool (bytes); idle slabs over the limit are released."""
+    _engine().set_pool_limit(int(max_pool_bytes))
+
+
+def empty_pool() -> None:
+    """Free every idle host buffer of the pool."""
+    _engine().empty_pool()
+
+
+def budget_stats() -> BudgetStats:
+    """The process-wide host budget now (an "auto" limit is resolved by this call if it was not yet)."""
+    return from_engine(BudgetStats, _engine().host_budget())  # MERGE: budget_stats
+
+
+def set_host_budget(max_host_bytes: Union[int, str]) -> None:
+    """Set the process-wide host budget now: bytes, or "auto" (recomputed from MemAvailable now)."""
+    value = parse_bytes(max_host_bytes, "max_host_bytes")
+    _engine().set_host_budget(-1 if value == "auto" else int(value))
+
+
+def apply_host_budget(wanted: Union[int, str, None]) -> None:
+    """What a scope entry does with its max_host_bytes. None keeps the budget as it is; "auto" keeps an auto limit
+    resolved at first use (it is not recomputed each step, when MemAvailable already excludes what we offloaded)."""
+    now = budget_stats()
+    if wanted is None or wanted == "auto":
+        if wanted == "auto" and not now.is_auto:
+            set_host_budget("auto")
+            now = budget_stats()
+        if not now.is_auto:
+            return
+        log_once(
+            "auto-budget",
+            logging.INFO,
+            "hsoffload: host budget max_host_bytes=auto: %.2f GiB = 80%% of MemAvailable %.2f GiB / "
+            "LOCAL_WORLD_SIZE %d",
+            now.limit / 2**30,
+            now.mem_available / 2**30,
+            now.local_world_size,
+        )
+    elif now.is_auto or now.limit != wanted:
+        set_host_budget(wanted)

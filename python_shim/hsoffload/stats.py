@@ -1,0 +1,110 @@
+"""The counters the engine exports, as typed Python records.
+
+The engine defines each counter once (csrc/include/hsoffload/stats.h) and its ops return them by name; every
+dataclass here lists the same names once, and `from_engine` refuses a library whose names differ (a build of another
+version). Integrations derive their keys from `dataclasses.fields` of these classes, so a new counter is one line in
+C++ and one line here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence, TypeVar, Union
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadStats:
+    """Counters of one scope (`scope.stats`), or of the whole process (`hsoffload.process_stats()`)."""
+
+    saved_tensors_seen: int = 0  # every tensor that reached pack
+    marked_tensors: int = 0  # marks whose tensor reached pack (each mark once)
+    offloaded_tensors: int = 0  # marked tensors whose bytes went to host (shared storage counts once)
+    restored_tensors: int = 0  # unpacks of offloaded tensors
+    skipped_marked_tensors: int = 0  # marked but kept in place (CPU, too small, empty, no plain storage)
+    offloaded_bytes: int = 0  # bytes copied device -> host (or spilled)
+    restored_bytes: int = 0  # bytes copied host -> device
+    prefetch_hits: int = 0  # restores served by a prefetch issued earlier
+    wait_ns: int = 0  # host time inside unpack for restores that were not prefetched
+    pool_bytes: int = dataclasses.field(default=0, metadata={"snapshot": True})  # host pool bytes held now
+    spilled_tensors: int = 0  # offloaded tensors written to spill_dir (over the host budget)
+    spilled_bytes: int = 0  # their bytes (included in offloaded_bytes)
+    spill_read_wait_ns: int = 0  # host time unpack waited for spilled tensors to be read back
+    kept_on_device_tensors: int = 0  # marked tensors over the host budget with no spill_dir: left in place
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    """What the process-wide host pool holds (`hsoffload.pool_stats()`)."""
+
+    held_bytes: int = 0
+    in_use_bytes: int = 0
+    cached_bytes: int = 0
+    peak_held_bytes: int = 0
+    allocations: int = 0  # slabs (and unpooled buffers) obtained from the allocator
+    reuses: int = 0  # blocks served by existing slabs
+    unpooled: int = 0
+    acquires: int = 0  # blocks handed out
+    slabs: int = 0  # slabs held now
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetStats:
+    """The process-wide host budget (`max_host_bytes`): offloaded bytes resident in host memory."""
+
+    limit: int = 0
+    in_flight: int = 0
+    peak: int = 0  # since the limit was last set
+    refused: int = 0  # packs that did not fit (spilled or kept on the device)
+    is_auto: bool = True
+    mem_available: int = 0  # what "auto" was computed from
+    local_world_size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SpillStats:
+    """I/O counters of a scope's spill store (`scope.spill_stats()`; zeros without spill_dir)."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_ns: int = 0
+    read_ns: int = 0
+    files: int = 0  # spill files open now
+    direct_io: int = 0  # 1 if the store writes with O_DIRECT
+
+
+def is_snapshot(field: "dataclasses.Field[Any]") -> bool:
+    """A counter that reports a level now (bytes held), not a total that only grows: logged as is, never as a
+    difference."""
+    return bool(field.metadata.get("snapshot", False))
+
+
+def names(cls: type) -> tuple[str, ...]:
+    """The counter names of a stats class, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def from_engine(cls: type[T], values: Union[Mapping[str, Any], Sequence[Any]]) -> T:
+    """`cls` from what an engine op returned (a dict by counter name). Raises if the op library reports other
+    counters than this package knows: the library and the package were built from different versions."""
+    expected = names(cls)
+    if isinstance(values, Mapping):
+        got = tuple(values)
+        if set(got) != set(expected):
+            raise RuntimeError(
+                f"hsoffload: the op library reports the {cls.__name__} counters {sorted(got)}, this Python package "
+                f"expects {sorted(expected)}; they come from different versions: rebuild and reinstall hsoffload "
+                "(python -m pip install --no-build-isolation .)"
+            )
+        items = dict(values)
+    else:
+        if len(values) != len(expected):
+            raise RuntimeError(
+                f"hsoffload: the op library reports {len(values)} {cls.__name__} counters, this Python package "
+                f"expects {len(expected)}; they come from different versions: rebuild and reinstall hsoffload "
+                "(python -m pip install --no-build-isolation .)"
+            )
+        items = dict(zip(expected, values))
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    return cls(**{k: (bool(v) if types[k] in (bool, "bool") else int(v)) for k, v in items.items()})

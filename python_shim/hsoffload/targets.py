@@ -1,0 +1,67 @@
+"""The third-party classes hsoffload patches, found lazily (importing hsoffload imports neither transformers nor
+torch.distributed), and the facts about a decoder layer's checkpoint that the patch and the diagnostics both read.
+No state."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Optional
+
+import torch
+
+
+def layer_class() -> type:
+    """transformers' `GradientCheckpointingLayer` (the decoder layer base whose `__call__` is patched)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError as exc:  # transformers < 4.52
+        raise ImportError(
+            "hsoffload.patch: transformers.modeling_layers.GradientCheckpointingLayer not found; "
+            "hidden-state offload needs transformers >= 4.57 (pip install 'transformers>=4.57')"
+        ) from exc
+    return GradientCheckpointingLayer
+
+
+def checkpoint_wrapper_class() -> Optional[type]:
+    """torch.distributed's `CheckpointWrapper` (FSDP activation checkpointing), or None without distributed."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:  # torch built without distributed
+        return None
+    return CheckpointWrapper
+
+
+def pretrained_model_class() -> type:
+    """transformers' `PreTrainedModel` (whose weight-init methods hsoffload.fsdp wraps)."""
+    from transformers import PreTrainedModel
+
+    return PreTrainedModel
+
+
+@functools.lru_cache(maxsize=None)
+def first_param_is_hidden_states(cls: type) -> bool:
+    """Whether `cls.forward` takes `hidden_states` as its first argument (a keyword may be moved to the front)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 2 and params[1] == "hidden_states"
+
+
+def checkpoint_function(layer: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
+    """The callable behind `layer._gradient_checkpointing_func` and its bound keywords."""
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    keywords: dict[str, Any] = {}
+    while isinstance(func, functools.partial):
+        keywords = {**func.keywords, **keywords}
+        func = func.func
+    return func, keywords
+
+
+def uses_reentrant(layer: torch.nn.Module) -> bool:
+    """Whether the layer is checkpointed by torch's reentrant checkpoint."""
+    func, keywords = checkpoint_function(layer)
+    if func is not torch.utils.checkpoint.checkpoint:
+        return False
+    return keywords.get("use_reentrant") in (True, None)  # torch's default is reentrant
