@@ -92,7 +92,7 @@ class _Visit:
 
 def _stat_pair(engine: Any) -> tuple[int, int]:
     s = engine.stats()
-    return int(s[2]), int(s[5])  # offloaded_tensors, offloaded_bytes (order of scope._STAT_FIELDS)
+    return int(s["offloaded_tensors"]), int(s["offloaded_bytes"])
 
 
 class LayerTracker:

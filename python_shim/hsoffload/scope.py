@@ -19,22 +19,6 @@ from .policy import reset_head_state_on_forward, track_module_names, validate_po
 
 logger = logging.getLogger("hsoffload")
 
-_STAT_FIELDS = (
-    "saved_tensors_seen",
-    "marked_tensors",
-    "offloaded_tensors",
-    "restored_tensors",
-    "skipped_marked_tensors",
-    "offloaded_bytes",
-    "restored_bytes",
-    "prefetch_hits",
-    "wait_ns",
-    "pool_bytes",
-    "spilled_tensors",
-    "spilled_bytes",
-    "spill_read_wait_ns",
-    "kept_on_device_tensors",
-)
 # Python-side mirror of the engine's per-thread scope stack, so the transformers
 # patch can ask "is a scope active on this thread?" without a dispatcher call.
 _tls = threading.local()
@@ -63,17 +47,18 @@ def entered_on_this_thread(scope: "OffloadScope") -> bool:
     return scope in getattr(_tls, "stack", ())
 
 
-_POOL_FIELDS = (
-    "held_bytes",
-    "in_use_bytes",
-    "cached_bytes",
-    "peak_held_bytes",
-    "allocations",
-    "reuses",
-    "unpooled",
-    "acquires",
-    "slabs",
-)
+def _from_engine(cls: Any, values: Any) -> Any:
+    """`cls` (a stats dataclass) from the engine's name -> value dict; the names are the lists in
+    csrc/include/hsoffload/stats.h, and must be exactly this dataclass's fields."""
+    values = dict(values)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if set(values) != set(fields):
+        raise RuntimeError(
+            f"hsoffload: the op library reports {cls.__name__} fields {sorted(values)}, this Python package expects "
+            f"{sorted(fields)}; the op library and the package come from different versions: rebuild with "
+            "`pip install --no-build-isolation --no-deps .` (or `make install`) from the same checkout"
+        )
+    return cls(**{k: (bool(v) if isinstance(fields[k].default, bool) else int(v)) for k, v in values.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,13 +81,9 @@ class OffloadStats:
     kept_on_device_tensors: int = 0
 
     @classmethod
-    def from_list(cls, values: list[int]) -> "OffloadStats":
-        if len(values) != len(_STAT_FIELDS):
-            raise RuntimeError(
-                f"hsoffload: the op library reports {len(values)} counters, this Python package expects "
-                f"{len(_STAT_FIELDS)}; the library and the package come from different versions: rebuild"
-            )
-        return cls(**dict(zip(_STAT_FIELDS, values)))
+    def from_dict(cls, values: dict[str, int]) -> "OffloadStats":
+        """From the engine's `stats()` / `process_stats()` dict (raises if the library's names differ)."""
+        return _from_engine(cls, values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +95,9 @@ class PoolStats:
     cached_bytes: int = 0
     peak_held_bytes: int = 0
     allocations: int = 0  # slabs (and unpooled buffers) obtained from the allocator
-    reuses: int = 0  # loans served by existing slabs
+    reuses: int = 0  # blocks served by existing slabs
     unpooled: int = 0
-    acquires: int = 0  # loans made
+    acquires: int = 0  # blocks lent
     slabs: int = 0  # slabs held now
 
 
@@ -426,7 +407,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         return self.layer_tracker.summary()
 
     def _report_if_ineffective(self) -> None:
-        stats = OffloadStats.from_list(self._scope.stats())  # the engine's counters, whatever a subclass reports
+        stats = OffloadStats.from_dict(self._scope.stats())  # the engine's counters, whatever a subclass reports
         if stats.kept_on_device_tensors > 0:
             log_once(
                 "kept-on-device",
@@ -477,12 +458,11 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
 
     @property
     def stats(self) -> OffloadStats:
-        return OffloadStats.from_list(self._scope.stats())
+        return OffloadStats.from_dict(self._scope.stats())
 
     def spill_stats(self) -> dict[str, int]:
         """I/O counters of the spill store this scope writes to (all 0 without spill_dir)."""
-        names = ("bytes_written", "bytes_read", "write_ns", "read_ns", "files", "direct_io")
-        return dict(zip(names, (int(v) for v in self._scope.spill_stats())))
+        return {k: int(v) for k, v in self._scope.spill_stats().items()}
 
     def tracked_state(self) -> int:
         """Marks and host copies this scope still tracks (0 once graphs are freed)."""
@@ -515,12 +495,12 @@ def mark_hidden_state(x: torch.Tensor) -> torch.Tensor:
 
 def cumulative_stats() -> OffloadStats:
     """Counters summed over every scope in this process."""
-    return OffloadStats.from_list(torch.classes.hsoffload.OffloadScope.process_stats())
+    return OffloadStats.from_dict(torch.classes.hsoffload.OffloadScope.process_stats())
 
 
 def pool_stats() -> PoolStats:
     """What the process-wide host pool holds now."""
-    return PoolStats(**dict(zip(_POOL_FIELDS, torch.classes.hsoffload.OffloadScope.pool_stats())))
+    return _from_engine(PoolStats, torch.classes.hsoffload.OffloadScope.pool_stats())
 
 
 def empty_pool() -> None:
@@ -530,8 +510,7 @@ def empty_pool() -> None:
 
 def budget_stats() -> BudgetStats:
     """The process-wide host budget now (an "auto" limit is resolved by this call if it was not yet)."""
-    v = [int(x) for x in torch.classes.hsoffload.OffloadScope.host_budget()]
-    return BudgetStats(v[0], v[1], v[2], v[3], bool(v[4]), v[5], v[6])
+    return _from_engine(BudgetStats, torch.classes.hsoffload.OffloadScope.budget_stats())
 
 
 def set_host_budget(max_host_bytes: Union[int, str]) -> None:

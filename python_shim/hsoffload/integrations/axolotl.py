@@ -108,7 +108,7 @@ class CheckpointHiddenStatesOffload(OffloadScope):
         self._depth = 0  # nested entries of this instance on its thread (Axolotl's module accepts them)
 
     def _engine_stats(self) -> OffloadStats:
-        return OffloadStats.from_list(self._scope.stats())
+        return OffloadStats.from_dict(self._scope.stats())
 
     @property
     def stats(self) -> CheckpointActivationOffloadStats:  # type: ignore[override]
