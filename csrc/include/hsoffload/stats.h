@@ -50,7 +50,7 @@ namespace hsoffload {
   X(peak, "high-water mark of in_flight since the limit was last set")                                             \
   X(refused, "reservations that did not fit (spilled or kept on the device)")                                      \
   X(is_auto, "1: the limit came from compute_auto_budget()")                                                       \
-  X(mem_available, "MemAvailable the auto limit was computed from (bytes; 0 unless auto)")                         \
+  X(mem_available, "MemAvailable (bytes) the last auto limit was computed from; 0 if none was")                    \
   X(local_world_size, "LOCAL_WORLD_SIZE the auto limit was divided by")
 
 // One spill store (SpillStore::stats()), shared by the scopes that spill to its directory.
