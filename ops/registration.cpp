@@ -60,8 +60,8 @@ TORCH_LIBRARY(hsoffload, m) {
   // and with none, x is kept as is.
   m.def("offload_pack(Tensor x, int scope=-1) -> Tensor", &offload_pack);
 
-  // The unpack hook: returns a tensor bit-identical to what was packed (waits
-  // on the restore's event, prefetches the previous offloaded tensor).
+  // The unpack hook: returns a tensor bit-identical to what was packed (the
+  // current stream waits on the restore's event; prefetches earlier groups).
   m.def("offload_unpack(Tensor handle) -> Tensor", &offload_unpack);
 
   // FSDP RAM-efficient loading, per from_pretrained call: the storages this
