@@ -1,3 +1,4 @@
+// The process-wide host budget (host_budget.h): byte reservations of live records against one limit.
 #include "hsoffload/host_budget.h"
 
 #include <c10/util/Exception.h>
@@ -65,15 +66,15 @@ std::shared_ptr<HostBudget> HostBudget::create(int64_t limit) {
 }
 
 HostBudget::HostBudget(int64_t limit) {
-  stats_.is_auto = limit < 0;
+  is_auto_ = limit < 0;
   stats_.limit = std::max<int64_t>(limit, 0);
   resolved_ = limit >= 0;
 }
 
 void HostBudget::resolve_locked() {
   if (!resolved_) {
-    stats_.auto_figures = compute_auto_budget();
-    stats_.limit = stats_.auto_figures.limit;
+    auto_figures_ = compute_auto_budget();
+    stats_.limit = auto_figures_.limit;
     resolved_ = true;
   }
 }
@@ -100,7 +101,7 @@ void HostBudget::give_back(int64_t bytes) {
 
 void HostBudget::set_limit(int64_t limit) {
   std::lock_guard<std::mutex> lock(mutex_);
-  stats_.is_auto = limit < 0;
+  is_auto_ = limit < 0;
   resolved_ = false;
   if (limit >= 0) {
     stats_.limit = limit;
@@ -114,7 +115,11 @@ void HostBudget::set_limit(int64_t limit) {
 BudgetStats HostBudget::stats() {
   std::lock_guard<std::mutex> lock(mutex_);
   resolve_locked();
-  return stats_;
+  BudgetStats s = stats_;
+  s.is_auto = is_auto_ ? 1 : 0;
+  s.mem_available = auto_figures_.mem_available;
+  s.local_world_size = auto_figures_.local_world_size;
+  return s;
 }
 
 std::shared_ptr<HostBudget> global_host_budget() {

@@ -1,3 +1,4 @@
+// The host pool (host_pool.h): slabs of host memory, sub-allocated into blocks of granule-rounded extents.
 #include "hsoffload/host_pool.h"
 
 #include <ATen/DeviceAccelerator.h>
@@ -34,28 +35,28 @@ at::Tensor default_host_alloc(int64_t bytes, bool pinned) {
 // HostBlock
 
 HostBlock::HostBlock(HostBlock&& other) noexcept
-    : pieces_(std::move(other.pieces_)),
-      extents_(std::move(other.extents_)),
+    : extents_(std::move(other.extents_)),
+      places_(std::move(other.places_)),
       bytes_(other.bytes_),
       pinned_(other.pinned_),
       last_use_(std::move(other.last_use_)),
       pool_(std::move(other.pool_)) {
-  other.pieces_.clear();
   other.extents_.clear();
+  other.places_.clear();
   other.bytes_ = 0;
 }
 
 HostBlock& HostBlock::operator=(HostBlock&& other) noexcept {
   if (this != &other) {
     release();
-    pieces_ = std::move(other.pieces_);
     extents_ = std::move(other.extents_);
+    places_ = std::move(other.places_);
     bytes_ = other.bytes_;
     pinned_ = other.pinned_;
     last_use_ = std::move(other.last_use_);
     pool_ = std::move(other.pool_);
-    other.pieces_.clear();
     other.extents_.clear();
+    other.places_.clear();
     other.bytes_ = 0;
   }
   return *this;
@@ -66,15 +67,15 @@ HostBlock::~HostBlock() { release(); }
 void HostBlock::record_use(std::shared_ptr<c10::Event> event) { last_use_ = std::move(event); }
 
 void HostBlock::release() {
-  if (extents_.empty()) {
-    pieces_.clear();
+  if (places_.empty()) {
+    extents_.clear();
     return;
   }
   if (auto pool = pool_.lock()) {
-    pool->give_back(std::move(extents_), std::move(last_use_));
+    pool->give_back(std::move(places_), std::move(last_use_));
   }
-  pieces_.clear();  // after give_back: an unpooled buffer is freed here, a slab lives on in the pool
-  extents_.clear();
+  extents_.clear();  // after give_back: an unpooled buffer is freed here, a slab lives on in the pool
+  places_.clear();
   last_use_.reset();
   bytes_ = 0;
 }
@@ -82,12 +83,12 @@ void HostBlock::release() {
 // ---------------------------------------------------------------------------
 // HostPool
 
-std::shared_ptr<HostPool> HostPool::create(int64_t max_bytes, HostAllocFn alloc) {
-  TORCH_CHECK_VALUE(max_bytes >= 0, "HostPool: max_bytes must be >= 0, got ", max_bytes);
-  return std::shared_ptr<HostPool>(new HostPool(max_bytes, std::move(alloc)));  // private ctor
+std::shared_ptr<HostPool> HostPool::create(int64_t limit, HostAllocFn alloc) {
+  TORCH_CHECK_VALUE(limit >= 0, "HostPool: limit must be >= 0 bytes, got ", limit);
+  return std::shared_ptr<HostPool>(new HostPool(limit, std::move(alloc)));  // private ctor
 }
 
-HostPool::HostPool(int64_t max_bytes, HostAllocFn alloc) : max_bytes_(max_bytes), alloc_(std::move(alloc)) {}
+HostPool::HostPool(int64_t limit, HostAllocFn alloc) : limit_(limit), alloc_(std::move(alloc)) {}
 
 int64_t HostPool::slab_size(int64_t held, int64_t need) {
   return std::clamp(pow2_floor(std::max<int64_t>(held + need, 1) / 32), kMinSlab, kMaxSlab);
@@ -103,10 +104,10 @@ void HostPool::take_locked(Slab& slab, int64_t slab_id, int64_t offset, int64_t 
   }
   slab.free_bytes -= length;
   int64_t lent = 0;
-  for (const auto& p : block.pieces_) lent += p.numel();
-  const int64_t used = std::min(length, block.bytes_ - lent);  // the last piece ends at bytes(), not at the granule
-  block.pieces_.push_back(slab.buffer.narrow(0, offset, used));
-  block.extents_.push_back(HostBlock::Extent{slab_id, offset, length});
+  for (const auto& p : block.extents_) lent += p.numel();
+  const int64_t used = std::min(length, block.bytes_ - lent);  // the last extent ends at bytes(), not at the granule
+  block.extents_.push_back(slab.buffer.narrow(0, offset, used));
+  block.places_.push_back(HostBlock::Place{slab_id, offset, length});
 }
 
 HostBlock HostPool::acquire(int64_t bytes, bool pinned) {
@@ -149,13 +150,13 @@ HostBlock HostPool::acquire(int64_t bytes, bool pinned) {
     }
     int64_t new_bytes = 0;
     for (int64_t s : sizes) new_bytes += s;
-    if (stats_.held_bytes + new_bytes > max_bytes_) {
-      trim_locked(std::max<int64_t>(0, max_bytes_ - new_bytes), /*only_kind=*/!pinned);  // idle slabs of the other kind
+    if (stats_.held_bytes + new_bytes > limit_) {
+      trim_locked(std::max<int64_t>(0, limit_ - new_bytes), /*only_kind=*/!pinned);  // idle slabs of the other kind
     }
-    if (stats_.held_bytes + new_bytes > max_bytes_) {
+    if (stats_.held_bytes + new_bytes > limit_) {
       // Over the bound: a buffer of its own, freed on return.
-      block.pieces_.push_back(alloc_(need, pinned).narrow(0, 0, bytes));
-      block.extents_.push_back(HostBlock::Extent{-1, 0, need});
+      block.extents_.push_back(alloc_(need, pinned).narrow(0, 0, bytes));
+      block.places_.push_back(HostBlock::Place{-1, 0, need});
       stats_.allocations += 1;
       stats_.unpooled += 1;
       return block;
@@ -198,7 +199,7 @@ HostBlock HostPool::acquire(int64_t bytes, bool pinned) {
   return block;
 }
 
-void HostPool::free_extent_locked(const HostBlock::Extent& e) {
+void HostPool::free_place_locked(const HostBlock::Place& e) {
   auto found = slabs_.find(e.slab);
   TORCH_INTERNAL_ASSERT(found != slabs_.end());
   Slab& slab = found->second;
@@ -220,29 +221,29 @@ void HostPool::free_extent_locked(const HostBlock::Extent& e) {
   slab.free_bytes += e.length;
 }
 
-void HostPool::give_back(std::vector<HostBlock::Extent> extents, std::shared_ptr<c10::Event> last_use) {
+void HostPool::give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (extents.size() == 1 && extents[0].slab < 0) {
+  if (places.size() == 1 && places[0].slab < 0) {
     return;  // unpooled: the caller drops the buffer (the host allocator keeps pending copies safe)
   }
   int64_t total = 0;
-  for (const auto& e : extents) total += e.length;
+  for (const auto& e : places) total += e.length;
   stats_.in_use_bytes -= total;
   stats_.cached_bytes += total;
   if (last_use && !last_use->query()) {
-    pending_.push_back(Pending{std::move(extents), std::move(last_use)});
+    pending_.push_back(Pending{std::move(places), std::move(last_use)});
     return;
   }
-  for (const auto& e : extents) free_extent_locked(e);
-  if (stats_.held_bytes > max_bytes_) {
-    trim_locked(max_bytes_);
+  for (const auto& e : places) free_place_locked(e);
+  if (stats_.held_bytes > limit_) {
+    trim_locked(limit_);
   }
 }
 
 void HostPool::reap_pending_locked() {
   auto done = std::remove_if(pending_.begin(), pending_.end(), [this](Pending& p) {
     if (p.last_use && !p.last_use->query()) return false;
-    for (const auto& e : p.extents) free_extent_locked(e);
+    for (const auto& e : p.places) free_place_locked(e);
     return true;
   });
   pending_.erase(done, pending_.end());
@@ -274,19 +275,19 @@ PoolStats HostPool::stats() const {
   return stats_;
 }
 
-int64_t HostPool::max_bytes() const {
+int64_t HostPool::limit() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return max_bytes_;
+  return limit_;
 }
 
-void HostPool::set_max_bytes(int64_t max_bytes) {
-  TORCH_CHECK_VALUE(max_bytes >= 0, "set_max_bytes: max_bytes must be >= 0, got ", max_bytes);
+void HostPool::set_limit(int64_t limit) {
+  TORCH_CHECK_VALUE(limit >= 0, "HostPool.set_limit: limit must be >= 0 bytes, got ", limit);
   std::lock_guard<std::mutex> lock(mutex_);
-  max_bytes_ = max_bytes;
-  trim_locked(max_bytes_);
+  limit_ = limit;
+  trim_locked(limit_);
 }
 
-void HostPool::empty_cache() {
+void HostPool::empty() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     trim_locked(0);

@@ -1,3 +1,5 @@
+// FSDP RAM-efficient loading (init_skip.h): the skip decision from rank facts, the record of storages not to
+// initialise, and lazily committed zero placeholders.
 #include "hsoffload/init_skip.h"
 
 #include <c10/core/TensorImpl.h>

@@ -1,9 +1,11 @@
+// The spill tier (spill.h): anonymous files, I/O threads, staging chunks. Stream order comes from transfer.h.
 #include "hsoffload/spill.h"
+
+#include "hsoffload/transfer.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
-#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
@@ -269,17 +271,8 @@ void SpillStore::run_write(const std::shared_ptr<SpillFile>& file, at::Tensor sr
   for (int64_t offset = 0; offset < n && error.empty(); offset += kChunkBytes) {
     const int64_t len = std::min(kChunkBytes, n - offset);
     try {
-      if (src.is_cpu()) {
-        std::memcpy(buf, static_cast<const char*>(src.data_ptr()) + offset, len);
-      } else {
-        TORCH_INTERNAL_ASSERT(copy_stream.has_value());
-        c10::StreamGuard guard(*copy_stream);
-        if (offset == 0 && produced) produced->block(*copy_stream);  // src is complete on its stream
-        staging.narrow(0, 0, len).copy_(src.narrow(0, offset, len), /*non_blocking=*/true);
-        c10::Event copied(src.device().type());
-        copied.record(*copy_stream);
-        copied.synchronize();  // this thread's wait, not the compute stream's
-      }
+      stage_to_host(staging.narrow(0, 0, len), src.narrow(0, offset, len), copy_stream,
+                    offset == 0 ? produced.get() : nullptr);
     } catch (const std::exception& e) {
       error = std::string("hsoffload: copying a saved tensor to the spill staging buffer failed: ") + e.what();
       break;
@@ -352,17 +345,8 @@ void SpillStore::run_read(const std::shared_ptr<SpillFile>& file, const at::Tens
       break;
     }
     try {
-      if (dst.is_cpu()) {
-        std::memcpy(static_cast<char*>(dst.data_ptr()) + offset, buf, len);
-      } else {
-        TORCH_INTERNAL_ASSERT(copy_stream.has_value());
-        c10::StreamGuard guard(*copy_stream);
-        if (offset == 0 && allocated) allocated->block(*copy_stream);  // dst's block is ours from this point
-        dst.narrow(0, offset, len).copy_(staging.narrow(0, 0, len), /*non_blocking=*/true);
-        done = std::make_shared<c10::Event>(dst.device().type());
-        done->record(*copy_stream);
-        done->synchronize();  // the staging chunk is reused by the next transfer
-      }
+      done = stage_to_device(dst.narrow(0, offset, len), staging.narrow(0, 0, len), copy_stream,
+                             offset == 0 ? allocated.get() : nullptr);
     } catch (const std::exception& e) {
       error = std::string("hsoffload: copying a spilled tensor back to its device failed: ") + e.what();
     }

@@ -1,3 +1,4 @@
+// Which tensors are plain bytes of their own storage (tensor_kind.h).
 #include "hsoffload/tensor_kind.h"
 
 #include <c10/core/DispatchKey.h>
@@ -20,6 +21,11 @@ bool has_plain_storage(const at::Tensor& t) {
     return false;  // e.g. a fake tensor made outside its mode: a CPU tensor over a meta storage
   }
   return storage.nbytes() == 0 || storage.data_ptr().get() != nullptr;
+}
+
+uint32_t version_of(const at::Tensor& x) {
+  const auto& vc = x.unsafeGetTensorImpl()->version_counter();
+  return vc.enabled() ? vc.current_version() : 0;
 }
 
 }  // namespace hsoffload

@@ -1,6 +1,8 @@
 // `torch.classes.hsoffload.InitSkipRecord`: carries an engine InitSkipRecord
 // across the op boundary (FSDP RAM-efficient loading).
 //
+// Thread-safety: the holder only forwards; an InitSkipRecord guards itself (one mutex per record).
+//
 // Note on the handle type: a typed custom class, like OffloadScope, rather
 // than a process-global table. Each patched `_initialize_missing_keys` call
 // owns its record, so concurrent loads in one process (threads, several

@@ -1,17 +1,18 @@
-// Adapters between the hsoffload ops / custom classes and the engine.
-// Every user-facing argument check of the offload ops lives here.
+// Adapters between the hsoffload offload ops / the OffloadScope class and the engine: handle tensors, stats as
+// Dict(str, int) (names from stats.h), and every user-facing argument check of these ops.
 #include "holders.h"
 #include "ops.h"
 
 #include "hsoffload/host_pool.h"
 #include "hsoffload/scope.h"
 
+#include <ATen/core/Dict.h>
 #include <c10/core/Storage.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 
 #include <memory>
-#include <vector>
+#include <string>
 
 namespace hsoffload::ops {
 namespace {
@@ -23,16 +24,14 @@ struct HandleBox {
 
 void delete_handle_box(void* box) { delete static_cast<HandleBox*>(box); }  // DataPtr's deleter owns the box
 
-std::vector<int64_t> to_list(const OffloadStats& s) {
-  return {s.saved_tensors_seen, s.marked_tensors,     s.offloaded_tensors,  s.restored_tensors,
-          s.skipped_marked_tensors, s.offloaded_bytes, s.restored_bytes,     s.prefetch_hits,
-          s.wait_ns,            s.pool_bytes,         s.spilled_tensors,    s.spilled_bytes,
-          s.spill_read_wait_ns, s.kept_on_device_tensors};
-}
-
-std::vector<int64_t> to_list(const PoolStats& s) {
-  return {s.held_bytes, s.in_use_bytes, s.cached_bytes, s.peak_held_bytes, s.allocations,
-          s.reuses,     s.unpooled,     s.acquires,     s.slabs};
+// A stats struct as the ops return it: name -> value, in the order of its list in stats.h.
+template <class Stats>
+c10::Dict<std::string, int64_t> to_dict(const Stats& s) {
+  c10::Dict<std::string, int64_t> out;
+  for (const auto& [name, value] : fields(s)) {
+    out.insert(name, value);
+  }
+  return out;
 }
 
 }  // namespace
@@ -111,13 +110,12 @@ bool is_marked(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Ten
   return self->scope->is_marked(x);
 }
 
-std::vector<int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self) {
-  return to_list(self->scope->stats());
+c10::Dict<std::string, int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self) {
+  return to_dict(self->scope->stats());
 }
 
-std::vector<int64_t> scope_spill_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self) {
-  const SpillStats s = self->scope->spill_stats();
-  return {s.bytes_written, s.bytes_read, s.write_ns, s.read_ns, s.files, s.direct_io ? 1 : 0};
+c10::Dict<std::string, int64_t> scope_spill_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self) {
+  return to_dict(self->scope->spill_stats());
 }
 
 void set_host_budget(int64_t max_bytes) {
@@ -126,23 +124,19 @@ void set_host_budget(int64_t max_bytes) {
   global_host_budget()->set_limit(max_bytes);
 }
 
-std::vector<int64_t> host_budget() {
-  const BudgetStats s = global_host_budget()->stats();
-  return {s.limit, s.in_flight, s.peak, s.refused, s.is_auto ? 1 : 0, s.auto_figures.mem_available,
-          s.auto_figures.local_world_size};
-}
+c10::Dict<std::string, int64_t> budget_stats() { return to_dict(global_host_budget()->stats()); }
 
-std::vector<int64_t> process_stats() { return to_list(cumulative_stats()); }
+c10::Dict<std::string, int64_t> process_stats() { return to_dict(hsoffload::process_stats()); }
 
-std::vector<int64_t> pool_stats() { return to_list(global_host_pool()->stats()); }
+c10::Dict<std::string, int64_t> pool_stats() { return to_dict(global_host_pool()->stats()); }
 
 void set_pool_limit(int64_t max_bytes) {
   TORCH_CHECK_VALUE(max_bytes >= 0, "set_pool_limit: max_bytes must be >= 0 bytes, got ", max_bytes);
-  global_host_pool()->set_max_bytes(max_bytes);
+  global_host_pool()->set_limit(max_bytes);
 }
 
-int64_t pool_limit() { return global_host_pool()->max_bytes(); }
+int64_t pool_limit() { return global_host_pool()->limit(); }
 
-void empty_pool() { global_host_pool()->empty_cache(); }
+void empty_pool() { global_host_pool()->empty(); }
 
 }  // namespace hsoffload::ops

@@ -1,9 +1,13 @@
-// Kernels bound in registration.cpp. Argument names match the schemas.
+// Kernels bound in registration.cpp (declared here, defined in offload_ops.cpp and skip_init_ops.cpp). Argument
+// names match the schemas.
+//
+// Thread-safety: the kernels keep no state of their own; the engine objects they call guard themselves.
 #pragma once
 
 #include "holders.h"
 #include "init_skip_holder.h"
 
+#include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
@@ -20,14 +24,15 @@ at::Tensor offload_unpack(const at::Tensor& handle);
 c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
                                                   bool use_streams, int64_t prefetch_depth, std::string spill_dir,
                                                   int64_t spill_prefetch_depth);
-std::vector<int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
-std::vector<int64_t> scope_spill_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
+// The stats ops return name -> value; the names are the lists in hsoffload/stats.h.
+c10::Dict<std::string, int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
+c10::Dict<std::string, int64_t> scope_spill_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
 void set_host_budget(int64_t max_bytes);
-std::vector<int64_t> host_budget();
+c10::Dict<std::string, int64_t> budget_stats();
 void mark_in(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x);
 bool is_marked(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x);
-std::vector<int64_t> process_stats();
-std::vector<int64_t> pool_stats();
+c10::Dict<std::string, int64_t> process_stats();
+c10::Dict<std::string, int64_t> pool_stats();
 void set_pool_limit(int64_t max_bytes);
 int64_t pool_limit();
 void empty_pool();

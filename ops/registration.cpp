@@ -7,22 +7,12 @@
 #include <torch/library.h>
 
 namespace hsoffload::ops {
-namespace {
-
-// Order of the integer lists returned by `stats()`; mirrored by
-// `hsoffload.OffloadStats` in Python.
-constexpr const char* kStatsDoc =
-    "saved_tensors_seen, marked_tensors, offloaded_tensors, restored_tensors, skipped_marked_tensors, "
-    "offloaded_bytes, restored_bytes, prefetch_hits, wait_ns, pool_bytes, spilled_tensors, spilled_bytes, "
-    "spill_read_wait_ns, kept_on_device_tensors";
-
-}  // namespace
 
 TORCH_LIBRARY(hsoffload, m) {
   // One offload scope: configuration, marks, counters. Python wraps it in a
   // context manager that installs saved-tensor hooks calling the ops below.
   m.class_<OffloadScopeHolder>("OffloadScope")
-      .def(torch::init(&make_scope), kStatsDoc,
+      .def(torch::init(&make_scope), "an offload scope (docs/ops.md, Classes)",
            {torch::arg("min_offload_size") = 1024, torch::arg("offload_cpu_tensors") = false,
             torch::arg("pin_memory") = true, torch::arg("use_streams") = true, torch::arg("prefetch_depth") = 1,
             torch::arg("spill_dir") = "", torch::arg("spill_prefetch_depth") = 2})
@@ -36,20 +26,25 @@ TORCH_LIBRARY(hsoffload, m) {
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x) { return is_marked(self, x); })
       .def("begin_group", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->begin_group(); })
       .def("end_group", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->end_group(); })
+      // Note on the stats methods: each returns Dict(str, int), its keys the struct's X-macro list in
+      // hsoffload/stats.h (one list per struct, defined once); Python builds its dataclasses from those names.
+      // This scope's counters (HSOFFLOAD_OFFLOAD_STATS).
       .def("stats", &scope_stats)
-      // bytes_written, bytes_read, write_ns, read_ns, files (open now), direct_io of the scope's spill store.
+      // The counters of the scope's spill store (HSOFFLOAD_SPILL_STATS; zeros without spill_dir).
       .def("spill_stats", &scope_spill_stats)
       .def("tracked_state",
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->tracked_state(); })
+      // Every scope's counters summed over the process (HSOFFLOAD_OFFLOAD_STATS).
       .def_static("process_stats", &process_stats)
+      // The process-wide host pool (HSOFFLOAD_POOL_STATS).
       .def_static("pool_stats", &pool_stats)
       .def_static("set_pool_limit", &set_pool_limit)
       .def_static("pool_limit", &pool_limit)
       .def_static("empty_pool", &empty_pool)
       // The process-wide host budget: bytes >= 0, or -1 for auto (80% of MemAvailable / LOCAL_WORLD_SIZE).
       .def_static("set_host_budget", &set_host_budget)
-      // limit, in_flight, peak, refused, is_auto, mem_available, local_world_size (auto resolved at first call).
-      .def_static("host_budget", &host_budget);
+      // The process-wide host budget (HSOFFLOAD_BUDGET_STATS; an auto limit is resolved by the first call).
+      .def_static("budget_stats", &budget_stats);
 
   // Returns x itself; marks x for offload when autograd saves it while an
   // offload scope is active on this thread (no-op without one).
@@ -65,8 +60,8 @@ TORCH_LIBRARY(hsoffload, m) {
   // and with none, x is kept as is.
   m.def("offload_pack(Tensor x, int scope=-1) -> Tensor", &offload_pack);
 
-  // The unpack hook: returns a tensor bit-identical to what was packed (waits
-  // on the restore's event, prefetches the previous offloaded tensor).
+  // The unpack hook: returns a tensor bit-identical to what was packed (the
+  // current stream waits on the restore's event; prefetches earlier groups).
   m.def("offload_unpack(Tensor handle) -> Tensor", &offload_unpack);
 
   // FSDP RAM-efficient loading, per from_pretrained call: the storages this

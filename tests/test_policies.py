@@ -318,7 +318,7 @@ def test_prefetch_groups_bring_back_a_whole_layer_ahead():
             engine.end_group()
             for i in (2, 3, 0, 1):  # layer 1 then layer 0, each in forward order
                 assert torch.equal(torch.ops.hsoffload.offload_unpack(handles[i]), tensors[i])
-            return int(engine.stats()[7])  # prefetch_hits
+            return int(engine.stats()["prefetch_hits"])
         finally:
             engine.exit()
 

@@ -66,8 +66,8 @@ def train(model: torch.nn.Module, offload: bool) -> tuple[list[torch.Tensor], li
             finally:
                 scope.exit()
             stats = scope.stats()
-            offloaded.append(int(stats[2]))
-            assert stats[3] >= stats[2] > 0, f"restored {stats[3]} of {stats[2]}"  # a record may serve several saves
+            offloaded.append(int(stats["offloaded_tensors"]))
+            assert stats["restored_tensors"] >= stats["offloaded_tensors"] > 0, stats  # a record may serve several saves
         else:
             model(x).backward()
         grads.extend([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])

@@ -49,7 +49,7 @@ def empty_pool() -> None:
 
 def budget_stats() -> BudgetStats:
     """The process-wide host budget now (an "auto" limit is resolved by this call if it was not yet)."""
-    return from_engine(BudgetStats, _engine().host_budget())  # MERGE: budget_stats
+    return from_engine(BudgetStats, _engine().budget_stats())
 
 
 def set_host_budget(max_host_bytes: Union[int, str]) -> None:

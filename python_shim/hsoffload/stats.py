@@ -9,7 +9,7 @@ C++ and one line here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence, TypeVar, Union
+from typing import Any, Mapping, TypeVar
 
 T = TypeVar("T")
 
@@ -85,26 +85,15 @@ def names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def from_engine(cls: type[T], values: Union[Mapping[str, Any], Sequence[Any]]) -> T:
+def from_engine(cls: type[T], values: Mapping[str, Any]) -> T:
     """`cls` from what an engine op returned (a dict by counter name). Raises if the op library reports other
     counters than this package knows: the library and the package were built from different versions."""
     expected = names(cls)
-    if isinstance(values, Mapping):
-        got = tuple(values)
-        if set(got) != set(expected):
-            raise RuntimeError(
-                f"hsoffload: the op library reports the {cls.__name__} counters {sorted(got)}, this Python package "
-                f"expects {sorted(expected)}; they come from different versions: rebuild and reinstall hsoffload "
-                "(python -m pip install --no-build-isolation .)"
-            )
-        items = dict(values)
-    else:
-        if len(values) != len(expected):
-            raise RuntimeError(
-                f"hsoffload: the op library reports {len(values)} {cls.__name__} counters, this Python package "
-                f"expects {len(expected)}; they come from different versions: rebuild and reinstall hsoffload "
-                "(python -m pip install --no-build-isolation .)"
-            )
-        items = dict(zip(expected, values))
+    if set(values) != set(expected):
+        raise RuntimeError(
+            f"hsoffload: the op library reports the {cls.__name__} counters {sorted(values)}, this Python package "
+            f"expects {sorted(expected)}; they come from different versions: rebuild and reinstall hsoffload "
+            "(python -m pip install --no-build-isolation --no-deps . , or make install)"
+        )
     types = {f.name: f.type for f in dataclasses.fields(cls)}
-    return cls(**{k: (bool(v) if types[k] in (bool, "bool") else int(v)) for k, v in items.items()})
+    return cls(**{k: (bool(v) if types[k] in (bool, "bool") else int(v)) for k, v in values.items()})

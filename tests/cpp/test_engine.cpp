@@ -43,7 +43,7 @@ void test_slab_size() {
 
 int64_t total(const hsoffload::HostBlock& b) {
   int64_t n = 0;
-  for (const auto& p : b.pieces()) n += p.numel();
+  for (const auto& p : b.extents()) n += p.numel();
   return n;
 }
 
@@ -56,10 +56,10 @@ void test_reuse_and_stats() {
     EXPECT(total(a) == 10000 && total(b) == 10000 && a.bytes() == 10000);
     EXPECT(allocs == 1);  // one slab serves both
     EXPECT(pool->stats().in_use_bytes == 2 * 10240);
-    // The two loans do not overlap.
-    a.pieces()[0].fill_(1);
-    b.pieces()[0].fill_(2);
-    EXPECT(a.pieces()[0].eq(1).all().item<bool>());
+    // The two blocks do not overlap.
+    a.extents()[0].fill_(1);
+    b.extents()[0].fill_(2);
+    EXPECT(a.extents()[0].eq(1).all().item<bool>());
   }
   EXPECT(pool->stats().in_use_bytes == 0);
   EXPECT(pool->stats().cached_bytes == pool->stats().held_bytes);
@@ -78,21 +78,21 @@ void test_multi_extent_and_coalescing() {
   std::vector<hsoffload::HostBlock> quarters;
   for (int i = 0; i < 4; ++i) quarters.push_back(pool->acquire(slab / 4, false));
   EXPECT(allocs == 1);
-  // Free the 1st and 3rd quarter: 1/2 slab free, no contiguous half. A half-slab loan takes two extents.
+  // Free the 1st and 3rd quarter: 1/2 slab free, no contiguous half. A half-slab block takes two extents.
   quarters[0] = hsoffload::HostBlock();
   quarters[2] = hsoffload::HostBlock();
   {
     auto half = pool->acquire(slab / 2, false);
     EXPECT(allocs == 1);
-    EXPECT(half.pieces().size() == 2 && total(half) == slab / 2);
+    EXPECT(half.extents().size() == 2 && total(half) == slab / 2);
   }
-  // Everything back: the ranges coalesce into one, so a whole-slab loan is one extent.
+  // Everything back: the ranges coalesce into one, so a whole-slab block is one extent.
   quarters.clear();
   auto whole = pool->acquire(slab, false);
-  EXPECT(allocs == 1 && whole.pieces().size() == 1);
+  EXPECT(allocs == 1 && whole.extents().size() == 1);
   // Nothing free: new slabs for the whole request, the remainder in one of the smallest size.
   auto more = pool->acquire(slab + 4096, false);
-  EXPECT(total(more) == slab + 4096 && more.pieces().size() == 2);
+  EXPECT(total(more) == slab + 4096 && more.extents().size() == 2);
   EXPECT(pool->stats().held_bytes == 3 * slab);
 }
 
@@ -133,7 +133,7 @@ void test_limit() {
   EXPECT(pool->stats().held_bytes <= HostPool::kMinSlab);
   b = hsoffload::HostBlock();
   EXPECT(pool->stats().held_bytes <= HostPool::kMinSlab);
-  pool->set_max_bytes(0);  // `a` is still lent: its slab stays
+  pool->set_limit(0);  // `a` is still lent: its slab stays
   EXPECT(pool->stats().held_bytes == HostPool::kMinSlab);
   a = hsoffload::HostBlock();
   EXPECT(pool->stats().held_bytes == 0);
@@ -150,7 +150,7 @@ void test_budget() {
   EXPECT(budget->stats().in_flight == 400 && budget->stats().peak == 1000);
   auto automatic = hsoffload::HostBudget::create(-1);
   const auto s = automatic->stats();
-  EXPECT(s.is_auto && s.limit > 0 && s.limit <= s.auto_figures.mem_available);
+  EXPECT(s.is_auto && s.limit > 0 && s.limit <= s.mem_available);
 }
 
 void test_scope_roundtrip() {

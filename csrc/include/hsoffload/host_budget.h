@@ -10,6 +10,8 @@
 // the limit and the counters. A HostLease is owned by one record.
 #pragma once
 
+#include "hsoffload/stats.h"
+
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -24,15 +26,6 @@ struct AutoBudget {
 };
 // Reads the figures now.
 AutoBudget compute_auto_budget();
-
-struct BudgetStats {
-  int64_t limit = 0;       // bytes; resolved (never "auto")
-  int64_t in_flight = 0;   // bytes reserved by live records now
-  int64_t peak = 0;        // high-water mark of in_flight
-  int64_t refused = 0;     // reservations that did not fit
-  bool is_auto = true;     // the limit came from compute_auto_budget()
-  AutoBudget auto_figures; // valid when is_auto
-};
 
 class HostBudget;
 
@@ -65,7 +58,7 @@ class HostBudget : public std::enable_shared_from_this<HostBudget> {
   // if they exceed a lower limit; new ones must fit. Resets `peak` to the
   // bytes in flight now and `refused` to 0.
   void set_limit(int64_t limit);
-  // The counters; resolves an auto limit first.
+  // The counters (an auto limit's figures included); resolves an auto limit first.
   BudgetStats stats();
 
  private:
@@ -75,7 +68,9 @@ class HostBudget : public std::enable_shared_from_this<HostBudget> {
   void resolve_locked();
 
   std::mutex mutex_;
-  BudgetStats stats_;
+  BudgetStats stats_;  // is_auto, mem_available and local_world_size are filled in by stats()
+  bool is_auto_ = true;     // the limit comes from compute_auto_budget()
+  AutoBudget auto_figures_;  // valid when is_auto_ and resolved_
   bool resolved_ = false;
 };
 

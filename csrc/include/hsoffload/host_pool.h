@@ -3,9 +3,9 @@
 // Host memory is obtained in large slabs whose sizes are powers of two (the
 // accelerators' caching host allocators round every request up to a power of
 // two, so a power-of-two slab wastes nothing there) and sub-allocated in
-// 512-byte granules. A loan (HostBlock) is one or more extents: one when a
-// free range is large enough, several when the request is larger than any
-// free range, so sizes that change from step to step reuse the space freed by
+// 512-byte granules. A block lent by the pool (HostBlock) is one or more
+// extents: one when a free range is large enough, several when the request is
+// larger than any free range, so sizes that change from step to step reuse the space freed by
 // the previous step instead of needing new buffers. Returned extents are
 // coalesced with their free neighbours; an extent whose last device use has
 // not completed is kept aside until its event completes.
@@ -15,6 +15,8 @@
 // HostBlock is not shared between threads without external synchronisation
 // (the engine only touches a block under its scope's mutex).
 #pragma once
+
+#include "hsoffload/stats.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
@@ -37,21 +39,9 @@ using HostAllocFn = std::function<at::Tensor(int64_t bytes, bool pinned)>;
 // host allocator when `pinned` is true.
 at::Tensor default_host_alloc(int64_t bytes, bool pinned);
 
-struct PoolStats {
-  int64_t held_bytes = 0;       // bytes of slabs the pool owns (lent + free); unpooled loans are not counted
-  int64_t in_use_bytes = 0;     // bytes lent and not yet returned (granule-rounded)
-  int64_t cached_bytes = 0;     // free bytes in slabs, ready or waiting for a device event
-  int64_t peak_held_bytes = 0;  // high-water mark of held_bytes
-  int64_t allocations = 0;      // buffers obtained from the allocator (slabs and unpooled loans)
-  int64_t reuses = 0;           // loans served from existing slabs without a new allocation
-  int64_t unpooled = 0;         // loans served outside the byte limit (a buffer freed on return)
-  int64_t acquires = 0;         // loans made
-  int64_t slabs = 0;            // slabs held now
-};
-
 class HostPool;
 
-// One loan of host memory from a HostPool: `bytes()` bytes in one or more
+// A block of host memory lent by a HostPool: `bytes()` bytes in one or more
 // extents. Returned to the pool when destroyed. Move-only: exactly one owner
 // can return it.
 class HostBlock {
@@ -64,25 +54,26 @@ class HostBlock {
   ~HostBlock();
 
   // The extents in order, as uint8 tensors; their sizes sum to bytes().
-  const std::vector<at::Tensor>& pieces() const { return pieces_; }
+  const std::vector<at::Tensor>& extents() const { return extents_; }
   int64_t bytes() const { return bytes_; }
   bool pinned() const { return pinned_; }
-  bool valid() const { return !pieces_.empty(); }
+  bool valid() const { return !extents_.empty(); }
   // Records that device work ending at `event` (already recorded on its
-  // stream) reads or writes this loan; the pool will not lend its memory
+  // stream) reads or writes this block; the pool will not lend its memory
   // again before the event completes.
   void record_use(std::shared_ptr<c10::Event> event);
 
  private:
   friend class HostPool;
-  struct Extent {
+  // Where one extent lies in the pool.
+  struct Place {
     int64_t slab = -1;  // slab id; -1: an unpooled buffer
     int64_t offset = 0;
     int64_t length = 0;  // granule-rounded
   };
   void release();
-  std::vector<at::Tensor> pieces_;
-  std::vector<Extent> extents_;
+  std::vector<at::Tensor> extents_;  // the extents' bytes
+  std::vector<Place> places_;        // where each of them lies, same order
   int64_t bytes_ = 0;
   bool pinned_ = false;
   std::shared_ptr<c10::Event> last_use_;
@@ -96,25 +87,26 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   static constexpr int64_t kMinSlab = int64_t{1} << 20;
   static constexpr int64_t kMaxSlab = int64_t{1} << 30;
 
-  // `max_bytes` bounds held_bytes; a loan that does not fit is served by a
-  // buffer of its own that is freed on return (counted in `unpooled`).
-  static std::shared_ptr<HostPool> create(int64_t max_bytes, HostAllocFn alloc = default_host_alloc);
+  // `limit` bounds held_bytes (bytes); a block that does not fit is served
+  // by a buffer of its own that is freed on return (counted in `unpooled`).
+  static std::shared_ptr<HostPool> create(int64_t limit, HostAllocFn alloc = default_host_alloc);
 
   // Lends `bytes` bytes of host memory (pinned or pageable).
   HostBlock acquire(int64_t bytes, bool pinned);
   PoolStats stats() const;
-  int64_t max_bytes() const;
+  // The bound on held_bytes (the op `pool_limit`, Python `max_pool_bytes`).
+  int64_t limit() const;
   // Changes the bound; slabs with nothing lent above it are freed at once.
-  void set_max_bytes(int64_t max_bytes);
-  // Frees every slab with nothing lent.
-  void empty_cache();
+  void set_limit(int64_t limit);
+  // Frees every slab with nothing lent, and the accelerator's cached pinned blocks (the op `empty_pool`).
+  void empty();
   // Size of the slabs the pool allocates next when it holds `held` bytes and
   // must find `need` more: a power of two near 1/32 of the total, so the
   // last, partly used slab wastes at most about 3 %.
   static int64_t slab_size(int64_t held, int64_t need);
 
  private:
-  HostPool(int64_t max_bytes, HostAllocFn alloc);
+  HostPool(int64_t limit, HostAllocFn alloc);
   friend class HostBlock;
   struct Slab {
     at::Tensor buffer;
@@ -123,18 +115,18 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
     int64_t free_bytes = 0;
   };
   struct Pending {
-    std::vector<HostBlock::Extent> extents;
+    std::vector<HostBlock::Place> places;
     std::shared_ptr<c10::Event> last_use;
   };
-  void give_back(std::vector<HostBlock::Extent> extents, std::shared_ptr<c10::Event> last_use);
-  void free_extent_locked(const HostBlock::Extent& e);
+  void give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use);
+  void free_place_locked(const HostBlock::Place& p);
   void reap_pending_locked();
   // Frees idle slabs (of one kind, pinned or not, if given) until held_bytes <= target_bytes.
   void trim_locked(int64_t target_bytes, std::optional<bool> only_kind = std::nullopt);
   void take_locked(Slab& slab, int64_t slab_id, int64_t offset, int64_t length, HostBlock& block);
 
   mutable std::mutex mutex_;
-  int64_t max_bytes_;
+  int64_t limit_;
   HostAllocFn alloc_;
   std::map<int64_t, Slab> slabs_;  // by id
   int64_t next_slab_id_ = 0;

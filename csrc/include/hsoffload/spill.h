@@ -9,13 +9,17 @@
 // does not evict the data loader's pages), plain pwrite/pread otherwise.
 // Device bytes move through one staging chunk per I/O thread (pinned when the
 // store serves an accelerator): device -> staging (side stream, waited on by
-// the I/O thread) -> file, and file -> staging -> device.
+// the I/O thread) -> file, and file -> staging -> device. The stream order of
+// those copies is transfer.h's (stage_to_host / stage_to_device); this file
+// touches no stream or event itself.
 //
 // Thread-safety: SpillStore's methods may be called from any thread; its
 // queue is guarded by one mutex. Each SpillFile and SpillRead guards its own
 // state. The I/O threads touch only the jobs they take, their own staging
 // chunk and the file descriptors of those jobs.
 #pragma once
+
+#include "hsoffload/stats.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
@@ -34,15 +38,6 @@
 #include <vector>
 
 namespace hsoffload {
-
-struct SpillStats {
-  int64_t bytes_written = 0;
-  int64_t bytes_read = 0;
-  int64_t write_ns = 0;  // I/O-thread time spent writing (device copy + pwrite)
-  int64_t read_ns = 0;   // I/O-thread time spent reading (pread + device copy)
-  int64_t files = 0;     // spill files open now
-  bool direct_io = false;  // the last file was opened with O_DIRECT
-};
 
 // First error of a scope's spill writes, reported on that scope's thread (a
 // write fails on an I/O thread, after its pack returned).

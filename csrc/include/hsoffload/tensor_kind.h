@@ -1,9 +1,11 @@
-// Which tensors the engine may treat as bytes of their storage.
+// Which tensors the engine may treat as bytes of their storage, and the facts about a tensor it keys on.
 //
 // Thread-safety: pure functions of their argument.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
+#include <cstdint>
 
 namespace hsoffload {
 
@@ -15,5 +17,8 @@ namespace hsoffload {
 // no memory at all), with a storage on `t`'s device and a data pointer.
 // Everything else passes through the engine untouched.
 bool has_plain_storage(const at::Tensor& t);
+
+// `x`'s version counter now, or 0 if it has none (inference tensors): what marks and records compare.
+uint32_t version_of(const at::Tensor& x);
 
 }  // namespace hsoffload

@@ -1,0 +1,105 @@
+// The record index: one OffloadRecord per host (or spill) copy of a storage span, found again by storage and span
+// so that a tensor saved twice, or a view inside an already copied span, shares one copy (dedup).
+//
+// A record is owned by the handles that use it (so by the autograd graphs that saved them); the index holds weak
+// references only, in pack order (for prefetch) and by source storage (for dedup in O(1)). Storage keys are only
+// compared, never dereferenced; a hit is confirmed through the record's weak reference to its storage, so an
+// address reused by a new storage never matches.
+//
+// Thread-safety: RecordIndex has none of its own; its owner (OffloadScope) calls it under its mutex. A record's
+// `restore` state is guarded by `record.mutex` (the owning scope's mutex); the rest is written once, at pack.
+#pragma once
+
+#include "hsoffload/host_budget.h"
+#include "hsoffload/host_pool.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+namespace hsoffload {
+
+class SpillFile;
+class SpillRead;
+class SpillStore;
+
+// The span of one storage that a record copies.
+struct SourceSpan {
+  c10::Device device{c10::kCPU};
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+  uint32_t version = 0;  // the storage's tensor version at pack
+  int64_t begin = 0;     // byte offsets of the span in the storage
+  int64_t end = 0;
+  int64_t align = 0;     // address of the span's first byte modulo kSpanAlignment (transfer.h)
+
+  int64_t bytes() const { return end - begin; }
+  // True if [begin, end) of `storage` lies inside this span and `storage` is still this very storage.
+  bool covers(const c10::StorageImpl* storage, int64_t begin, int64_t end) const;
+};
+
+// Where the copied bytes are: a host block (with its share of the host budget), or a spill file.
+struct CopyLocation {
+  HostLease lease;
+  HostBlock host;
+  std::shared_ptr<SpillStore> store;  // set iff spilled; kept so a restore can read after the scope is gone
+  std::shared_ptr<SpillFile> spill;
+  std::shared_ptr<c10::Event> d2h_done;  // the device->host copy's done event; null when it was synchronous
+};
+
+// The state of the restore in progress or last done. Guarded by the record's mutex.
+struct RestoreState {
+  at::Tensor prefetched;  // device bytes of a restore started ahead of its unpack (until unpack takes them)
+  int64_t pad = 0;        // where the span starts inside that block
+  std::shared_ptr<SpillRead> spill_read;  // the read of the current restore, until unpack waits for it
+  std::shared_ptr<c10::Event> h2d_done;   // kept: every consumer stream waits on it
+  std::optional<c10::Stream> alloc_stream;  // stream whose pool owns the restored block
+  c10::weak_intrusive_ptr<c10::StorageImpl> restored{c10::intrusive_ptr<c10::StorageImpl>()};  // while held
+  bool restored_once = false;  // an unpack restored it
+};
+
+// One host copy of a span of one storage. Shared by every handle whose tensor lies inside that span (tensors saved
+// twice, views of one storage), and freed with the last of them, i.e. with the autograd graph that saved it.
+struct OffloadRecord {
+  // Identity and order.
+  int64_t seq = 0;    // pack order within the scope
+  int64_t group = 0;  // prefetch group (OffloadScope::begin_group), increasing in pack order
+  int64_t epoch = 0;  // the scope entry that packed it
+  SourceSpan source;
+  CopyLocation copy;
+  RestoreState restore;
+  std::shared_ptr<std::mutex> mutex;  // the owning scope's mutex
+
+  int64_t bytes() const { return source.bytes(); }
+  bool spilled() const { return copy.spill != nullptr; }
+};
+
+// The live records of one scope.
+class RecordIndex {
+ public:
+  // Indexes `record` (its `source` must be set); it stays indexed while some handle holds it.
+  void add(const std::shared_ptr<OffloadRecord>& record);
+  // A live record of `storage` whose span covers [begin, end), or null.
+  std::shared_ptr<OffloadRecord> find(const c10::StorageImpl* storage, int64_t begin, int64_t end) const;
+  // Records in pack order, oldest first (entries may have expired).
+  const std::vector<std::weak_ptr<OffloadRecord>>& in_pack_order() const { return records_; }
+  // Entries held, expired ones included (what pruning is scheduled by).
+  size_t size() const { return records_.size(); }
+  // Records still alive.
+  int64_t live() const;
+  // Drops expired entries.
+  void prune();
+
+ private:
+  std::vector<std::weak_ptr<OffloadRecord>> records_;
+  std::unordered_multimap<const c10::StorageImpl*, std::weak_ptr<OffloadRecord>> by_storage_;
+};
+
+}  // namespace hsoffload

@@ -1,0 +1,97 @@
+// The engine's counters, each struct generated from one list: a counter is one line here (and one per language
+// that reads it by name), nothing else.
+//
+// Every list is an X-macro `X(name, doc)`. It generates the struct's fields (int64_t, 0 at start; flags are 0/1),
+// `fields(s)` (name -> value, in list order: what the ops return as Dict(str, int)) and, for OffloadStats, `add()`.
+// The Python package builds its dataclasses from those names and refuses a library whose names differ.
+//
+// Thread-safety: plain values; whoever owns an instance guards it.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace hsoffload {
+
+// Per scope, and summed over the process (`process_stats()`).
+#define HSOFFLOAD_OFFLOAD_STATS(X)                                                                                  \
+  X(saved_tensors_seen, "every tensor that reached pack")                                                          \
+  X(marked_tensors, "marks whose tensor reached pack (each mark once, however often it is saved)")                 \
+  X(offloaded_tensors, "marked tensors whose data went to host (dedup: shared storage counts once)")               \
+  X(restored_tensors, "unpacks of offloaded tensors")                                                              \
+  X(skipped_marked_tensors, "marked but kept in place (CPU, too small, empty, not plain storage)")                 \
+  X(offloaded_bytes, "bytes copied device -> host")                                                                \
+  X(restored_bytes, "bytes copied host -> device")                                                                 \
+  X(prefetch_hits, "restores served by a prefetch issued earlier")                                                 \
+  X(wait_ns, "host time spent inside unpack for restores that were not prefetched")                                \
+  X(pool_bytes, "host pool bytes held (a snapshot taken when the stats are read, never summed)")                   \
+  X(spilled_tensors, "offloaded tensors that went to spill_dir (over the host budget)")                            \
+  X(spilled_bytes, "their bytes (included in offloaded_bytes)")                                                    \
+  X(spill_read_wait_ns, "host time unpack waited for spilled tensors to be read back")                             \
+  X(kept_on_device_tensors, "marked tensors over the host budget with no spill_dir: left in place")
+
+// The process-wide host pool (HostPool::stats()).
+#define HSOFFLOAD_POOL_STATS(X)                                                                                     \
+  X(held_bytes, "bytes of slabs the pool owns (lent + free); unpooled blocks are not counted")                     \
+  X(in_use_bytes, "bytes lent and not yet returned (granule-rounded)")                                             \
+  X(cached_bytes, "free bytes in slabs, ready or waiting for a device event")                                      \
+  X(peak_held_bytes, "high-water mark of held_bytes")                                                              \
+  X(allocations, "buffers obtained from the allocator (slabs and unpooled blocks)")                                \
+  X(reuses, "blocks served from existing slabs without a new allocation")                                          \
+  X(unpooled, "blocks served outside the byte limit (a buffer of their own, freed on return)")                     \
+  X(acquires, "blocks lent")                                                                                       \
+  X(slabs, "slabs held now")
+
+// The process-wide host budget (HostBudget::stats()).
+#define HSOFFLOAD_BUDGET_STATS(X)                                                                                   \
+  X(limit, "bytes; resolved (never auto)")                                                                         \
+  X(in_flight, "bytes reserved by live records now")                                                               \
+  X(peak, "high-water mark of in_flight since the limit was last set")                                             \
+  X(refused, "reservations that did not fit (spilled or kept on the device)")                                      \
+  X(is_auto, "1: the limit came from compute_auto_budget()")                                                       \
+  X(mem_available, "MemAvailable (bytes) the last auto limit was computed from; 0 if none was")                    \
+  X(local_world_size, "LOCAL_WORLD_SIZE the auto limit was divided by")
+
+// One spill store (SpillStore::stats()), shared by the scopes that spill to its directory.
+#define HSOFFLOAD_SPILL_STATS(X)                                                                                    \
+  X(bytes_written, "bytes written to spill files")                                                                 \
+  X(bytes_read, "bytes read back")                                                                                 \
+  X(write_ns, "I/O-thread time spent writing (device copy + pwrite)")                                              \
+  X(read_ns, "I/O-thread time spent reading (pread + device copy)")                                                \
+  X(files, "spill files open now")                                                                                 \
+  X(direct_io, "1: the last file was opened with O_DIRECT")
+
+#define HSOFFLOAD_STATS_FIELD(name, doc) int64_t name = 0;
+#define HSOFFLOAD_STATS_PAIR(name, doc) {#name, s.name},
+
+// (name, value) in list order.
+using StatFields = std::vector<std::pair<const char*, int64_t>>;
+
+struct OffloadStats {
+  HSOFFLOAD_OFFLOAD_STATS(HSOFFLOAD_STATS_FIELD)
+  // Adds every counter of `other` (pool_bytes too: callers overwrite that snapshot after summing).
+  void add(const OffloadStats& other);
+};
+
+struct PoolStats {
+  HSOFFLOAD_POOL_STATS(HSOFFLOAD_STATS_FIELD)
+};
+
+struct BudgetStats {
+  HSOFFLOAD_BUDGET_STATS(HSOFFLOAD_STATS_FIELD)
+};
+
+struct SpillStats {
+  HSOFFLOAD_SPILL_STATS(HSOFFLOAD_STATS_FIELD)
+};
+
+inline StatFields fields(const OffloadStats& s) { return {HSOFFLOAD_OFFLOAD_STATS(HSOFFLOAD_STATS_PAIR)}; }
+inline StatFields fields(const PoolStats& s) { return {HSOFFLOAD_POOL_STATS(HSOFFLOAD_STATS_PAIR)}; }
+inline StatFields fields(const BudgetStats& s) { return {HSOFFLOAD_BUDGET_STATS(HSOFFLOAD_STATS_PAIR)}; }
+inline StatFields fields(const SpillStats& s) { return {HSOFFLOAD_SPILL_STATS(HSOFFLOAD_STATS_PAIR)}; }
+
+#undef HSOFFLOAD_STATS_FIELD
+#undef HSOFFLOAD_STATS_PAIR
+
+}  // namespace hsoffload

@@ -1,0 +1,117 @@
+// The transfer protocol: every copy between a device and host memory (a host block, or a spill store's staging
+// chunk), and the only code of the engine that touches streams, events, StreamGuard and recordDataPtrOnStream.
+//
+// Three steps, each with the rules of docs/design.md ("Stream and event protocol", invariants I1-I4) tagged on the
+// line that enforces them (and the mutation-check id, Mn, that proves a test fails without it):
+//   copy_to_host    device -> host, at pack          (e_prod, side-stream use, d2h_done)
+//   copy_to_device  host -> device, at restore/prefetch (e_alloc, d2h_done, side-stream use, h2d_done)
+//   consume         at unpack: the consumer's stream waits h2d_done; a foreign consumer is made known
+// The spill tier takes its stream order from `spill_write_order` / `spill_read_order` at pack/restore, and its I/O
+// threads copy through `stage_to_host` / `stage_to_device`. "The compute stream" is always the stream current on
+// the tensor's device at the time of the call, never a cached one. CPU tensors take the synchronous path: no events.
+//
+// Where the next changes go: a CUDA-graph capture guard checks in each entry point below; spilling from a host
+// block (host -> file) adds a step here that waits `d2h_done`; pinned allocation outside the scope's lock moves
+// `acquire_host_block` out of the caller's critical section (it is already separate from the copy).
+//
+// Thread-safety: the free functions hold no state (they touch only their arguments, which the caller owns or
+// guards). SideStreams is not thread-safe: its owner (a scope) calls it under its mutex.
+#pragma once
+
+#include "hsoffload/host_pool.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace hsoffload {
+
+enum class Direction { kToHost, kToDevice };
+
+// Spans start at this boundary of their storage, and restored spans keep every address modulo it: the CUDA caching
+// allocator's block alignment (kernels choose code paths by data-pointer alignment).
+constexpr int64_t kSpanAlignment = 512;
+
+// The side streams of one owner: one per device and direction, taken from torch's stream pool on first use.
+class SideStreams {
+ public:
+  // `enabled` false: every copy runs on the compute stream (OffloadConfig::use_streams).
+  explicit SideStreams(bool enabled) : enabled_(enabled) {}
+  // The stream copies in `direction` on `device` run on: the side stream, or `compute` when disabled.
+  c10::Stream for_copy(c10::Device device, Direction direction, c10::Stream compute);
+
+ private:
+  bool enabled_;
+  std::vector<std::pair<c10::Device, std::array<c10::Stream, 2>>> streams_;  // [kToHost, kToDevice]
+};
+
+// A uint8 tensor aliasing bytes [begin, end) of `storage` on `device`.
+at::Tensor byte_view(const c10::Storage& storage, c10::Device device, int64_t begin, int64_t end);
+
+// Copies between `device_bytes` (a contiguous uint8 span, CPU or device) and `host`'s extents, one copy_ per extent
+// in order, on the current stream.
+void copy_extents(Direction direction, const at::Tensor& device_bytes, const HostBlock& host, bool non_blocking);
+
+// A host block for `bytes` bytes copied from a tensor on `device`: pinned iff the device is an accelerator and
+// `pin_memory` (an async copy needs pinned memory).
+HostBlock acquire_host_block(HostPool& pool, int64_t bytes, c10::Device device, bool pin_memory);
+
+// Pack: starts copying `src` (a byte view of the tensor's storage) into `host`. Returns the event that completes
+// with the copy (d2h_done), or null when the copy was synchronous (CPU).
+std::shared_ptr<c10::Event> copy_to_host(const at::Tensor& src, HostBlock& host, SideStreams& streams);
+
+// A device block for a restore: `bytes` bytes from the compute stream's pool, `bytes` at offset `pad` of `block`
+// so that the span's first byte has address `align` modulo kSpanAlignment.
+struct DeviceSpan {
+  at::Tensor block;  // owns the allocation
+  at::Tensor bytes;  // the span inside it
+  int64_t pad = 0;
+};
+DeviceSpan allocate_device_span(c10::Device device, int64_t bytes, int64_t align);
+
+// What a started restore leaves for its consumers.
+struct RestoreOrder {
+  std::shared_ptr<c10::Event> done;         // h2d_done; null when synchronous (CPU) or not yet known (spill read)
+  std::optional<c10::Stream> alloc_stream;  // the stream whose pool owns the block
+};
+
+// Restore/prefetch: starts copying `host` into `dev` (allocated by allocate_device_span on the current stream),
+// after `d2h_done` (the pack's copy) if set.
+RestoreOrder copy_to_device(const at::Tensor& dev, HostBlock& host, const std::shared_ptr<c10::Event>& d2h_done,
+                            SideStreams& streams);
+
+// Unpack: makes the current stream wait for `done` and, if it is not `alloc_stream`, tells the allocator that it
+// uses `dev`. Never blocks the host.
+void consume(const at::Tensor& dev, const c10::Event& done, const std::optional<c10::Stream>& alloc_stream);
+
+// The stream order a spill I/O job needs: `ready` (recorded on the compute stream) and the stream it copies on.
+// Both empty for CPU tensors.
+struct SpillOrder {
+  std::shared_ptr<c10::Event> ready;
+  std::optional<c10::Stream> copy_stream;
+  std::optional<c10::Stream> alloc_stream;  // reads: the stream whose pool owns the destination
+};
+// Pack into the spill tier: `ready` = e_prod (src is produced), copies on the device->host side stream.
+SpillOrder spill_write_order(const at::Tensor& src, SideStreams& streams);
+// Restore from the spill tier into `dst` (allocated on the current stream): `ready` = e_alloc, copies on the
+// host->device side stream.
+SpillOrder spill_read_order(const at::Tensor& dst, SideStreams& streams);
+
+// On a spill I/O thread: copies `src` (CPU or device bytes) into `staging` (host, same size), on `stream` after
+// `produced` if given, and blocks this thread (never a device stream) until the copy is done.
+void stage_to_host(const at::Tensor& staging, const at::Tensor& src, const std::optional<c10::Stream>& stream,
+                   const c10::Event* produced);
+// On a spill I/O thread: copies `staging` into `dst` (CPU or device bytes, same size), on `stream` after
+// `allocated` if given, and blocks this thread until it is done (the staging chunk is reused next). Returns the
+// copy's event (null for CPU): what consumers wait on.
+std::shared_ptr<c10::Event> stage_to_device(const at::Tensor& dst, const at::Tensor& staging,
+                                            const std::optional<c10::Stream>& stream, const c10::Event* allocated);
+
+}  // namespace hsoffload

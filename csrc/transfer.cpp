@@ -1,0 +1,207 @@
+// The transfer protocol (transfer.h): the engine's only use of streams, events, StreamGuard and
+// recordDataPtrOnStream. Each rule carries its invariant (docs/design.md, I1-I4) and mutation-check id (Mn).
+#include "hsoffload/transfer.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+namespace hsoffload {
+
+c10::Stream SideStreams::for_copy(c10::Device device, Direction direction, c10::Stream compute) {
+  if (!enabled_) {
+    return compute;
+  }
+  const size_t which = direction == Direction::kToHost ? 0 : 1;
+  for (const auto& entry : streams_) {
+    if (entry.first == device) {
+      return entry.second[which];
+    }
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  streams_.emplace_back(device, std::array<c10::Stream, 2>{impl.getStreamFromGlobalPool(device, false),
+                                                          impl.getStreamFromGlobalPool(device, false)});
+  return streams_.back().second[which];
+}
+
+at::Tensor byte_view(const c10::Storage& storage, c10::Device device, int64_t begin, int64_t end) {
+  at::Tensor bytes = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device));
+  bytes.set_(storage, begin, {end - begin}, {1});
+  return bytes;
+}
+
+void copy_extents(Direction direction, const at::Tensor& device_bytes, const HostBlock& host, bool non_blocking) {
+  int64_t offset = 0;
+  for (const at::Tensor& extent : host.extents()) {
+    at::Tensor device_part = device_bytes.narrow(0, offset, extent.numel());
+    if (direction == Direction::kToHost) {
+      extent.copy_(device_part, non_blocking);
+    } else {
+      device_part.copy_(extent, non_blocking);
+    }
+    offset += extent.numel();
+  }
+}
+
+HostBlock acquire_host_block(HostPool& pool, int64_t bytes, c10::Device device, bool pin_memory) {
+  return pool.acquire(bytes, /*pinned=*/!device.is_cpu() && pin_memory);
+}
+
+std::shared_ptr<c10::Event> copy_to_host(const at::Tensor& src, HostBlock& host, SideStreams& streams) {
+  if (src.is_cpu()) {
+    copy_extents(Direction::kToHost, src, host, /*non_blocking=*/false);
+    return nullptr;
+  }
+  c10::impl::VirtualGuardImpl impl(src.device().type());
+  const c10::Stream compute = impl.getStream(src.device());  // current at pack time, never cached
+  const c10::Stream copy_stream = streams.for_copy(src.device(), Direction::kToHost, compute);
+  if (copy_stream != compute) {
+    c10::Event produced(src.device().type());
+    produced.record(compute);
+    produced.block(copy_stream);  // I1 (M1): the copy reads the bytes only after the compute stream wrote them
+  }
+  {
+    c10::StreamGuard guard(copy_stream);
+    copy_extents(Direction::kToHost, src, host, /*non_blocking=*/host.pinned());  // I4 (M12): no host sync
+  }
+  if (copy_stream != compute) {
+    // I1 (M2): the device block must not be reused by the compute stream before the copy has read it: the
+    // allocator learns of the side-stream use, so dropping the last reference frees it without a host wait.
+    impl.recordDataPtrOnStream(src.storage().data_ptr(), copy_stream);
+  }
+  auto d2h_done = std::make_shared<c10::Event>(src.device().type());
+  d2h_done->record(copy_stream);
+  host.record_use(d2h_done);  // I2 (M3): the pool lends the block again only after the copy wrote it
+  return d2h_done;
+}
+
+DeviceSpan allocate_device_span(c10::Device device, int64_t bytes, int64_t align) {
+  // Allocated while the compute stream is current, so the block belongs to its pool. The restored span starts at
+  // the same address modulo kSpanAlignment as the original did, so kernels see the same data-pointer alignment
+  // and take the same code paths (bit-identical results). Allocators that hand out kSpanAlignment-aligned blocks
+  // (CUDA's) get exactly `bytes`; others (the CPU's 64-byte alignment) a little more.
+  const auto options = at::TensorOptions().dtype(at::kByte).device(device);
+  const auto misalignment = [&](const at::Tensor& b) {
+    const auto at = static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.data_ptr()) % kSpanAlignment);
+    return (align - at + kSpanAlignment) % kSpanAlignment;
+  };
+  DeviceSpan span;
+  span.block = at::empty({bytes}, options);
+  span.pad = misalignment(span.block);
+  if (span.pad != 0) {
+    span.block = at::empty({bytes + kSpanAlignment}, options);
+    span.pad = misalignment(span.block);
+  }
+  span.bytes = span.block.narrow(0, span.pad, bytes);
+  return span;
+}
+
+RestoreOrder copy_to_device(const at::Tensor& dev, HostBlock& host, const std::shared_ptr<c10::Event>& d2h_done,
+                            SideStreams& streams) {
+  RestoreOrder order;
+  if (dev.is_cpu()) {
+    copy_extents(Direction::kToDevice, dev, host, /*non_blocking=*/false);
+    return order;
+  }
+  c10::impl::VirtualGuardImpl impl(dev.device().type());
+  const c10::Stream compute = impl.getStream(dev.device());
+  order.alloc_stream = compute;
+  const c10::Stream copy_stream = streams.for_copy(dev.device(), Direction::kToDevice, compute);
+  if (copy_stream != compute) {
+    c10::Event allocated(dev.device().type());
+    allocated.record(compute);
+    allocated.block(copy_stream);  // I1 (M4): the block's previous users on the compute stream are done
+  }
+  if (d2h_done) {
+    d2h_done->block(copy_stream);  // I2 (M5): host bytes are complete before we read them
+  }
+  {
+    c10::StreamGuard guard(copy_stream);
+    copy_extents(Direction::kToDevice, dev, host, /*non_blocking=*/host.pinned());  // I4 (M13): no host sync
+  }
+  if (copy_stream != compute) {
+    impl.recordDataPtrOnStream(dev.storage().data_ptr(), copy_stream);  // I1 (M6): the copy writes it on H
+  }
+  order.done = std::make_shared<c10::Event>(dev.device().type());
+  order.done->record(copy_stream);
+  host.record_use(order.done);  // I2 (M7): the pool lends the block again only after the copy read it
+  return order;
+}
+
+void consume(const at::Tensor& dev, const c10::Event& done, const std::optional<c10::Stream>& alloc_stream) {
+  // Every consumer waits for the copy on its own current stream (device-side wait, no host sync); a consumer on
+  // another stream than the one that allocated the block is made known to the allocator.
+  c10::impl::VirtualGuardImpl impl(dev.device().type());
+  const c10::Stream consumer = impl.getStream(dev.device());
+  done.block(consumer);  // I3 (M8): the consumer reads the restored bytes only after the copy wrote them
+  if (alloc_stream && *alloc_stream != consumer) {
+    impl.recordDataPtrOnStream(dev.storage().data_ptr(), consumer);  // I1 (M9): a foreign consumer's use
+  }
+}
+
+SpillOrder spill_write_order(const at::Tensor& src, SideStreams& streams) {
+  // The I/O thread holds the device bytes until it has copied them to staging, so no allocator bookkeeping is
+  // needed; it waits for `ready` on the copy stream before reading them (stage_to_host).
+  SpillOrder order;
+  if (src.is_cpu()) {
+    return order;
+  }
+  c10::impl::VirtualGuardImpl impl(src.device().type());
+  const c10::Stream compute = impl.getStream(src.device());
+  order.copy_stream = streams.for_copy(src.device(), Direction::kToHost, compute);
+  order.ready = std::make_shared<c10::Event>(src.device().type());
+  order.ready->record(compute);
+  return order;
+}
+
+SpillOrder spill_read_order(const at::Tensor& dst, SideStreams& streams) {
+  // The I/O thread copies into `dst` on the copy stream once the allocation point has passed (stage_to_device);
+  // unpack waits for the read and then for its event (consume).
+  SpillOrder order;
+  if (dst.is_cpu()) {
+    return order;
+  }
+  c10::impl::VirtualGuardImpl impl(dst.device().type());
+  const c10::Stream compute = impl.getStream(dst.device());
+  order.alloc_stream = compute;
+  order.ready = std::make_shared<c10::Event>(dst.device().type());
+  order.ready->record(compute);
+  order.copy_stream = streams.for_copy(dst.device(), Direction::kToDevice, compute);
+  return order;
+}
+
+void stage_to_host(const at::Tensor& staging, const at::Tensor& src, const std::optional<c10::Stream>& stream,
+                   const c10::Event* produced) {
+  if (src.is_cpu()) {
+    std::memcpy(staging.data_ptr(), src.data_ptr(), static_cast<size_t>(src.numel()));
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(stream.has_value());
+  c10::StreamGuard guard(*stream);
+  if (produced) produced->block(*stream);  // I1 (M14): src is complete on its stream
+  staging.copy_(src, /*non_blocking=*/true);
+  c10::Event copied(src.device().type());
+  copied.record(*stream);
+  copied.synchronize();  // I2 (M15): this I/O thread's wait before pwrite, not the compute stream's (I4)
+}
+
+std::shared_ptr<c10::Event> stage_to_device(const at::Tensor& dst, const at::Tensor& staging,
+                                            const std::optional<c10::Stream>& stream, const c10::Event* allocated) {
+  if (dst.is_cpu()) {
+    std::memcpy(dst.data_ptr(), staging.data_ptr(), static_cast<size_t>(dst.numel()));
+    return nullptr;
+  }
+  TORCH_INTERNAL_ASSERT(stream.has_value());
+  c10::StreamGuard guard(*stream);
+  if (allocated) allocated->block(*stream);  // I1 (M16): dst's block is ours from this point
+  dst.copy_(staging, /*non_blocking=*/true);
+  auto done = std::make_shared<c10::Event>(dst.device().type());
+  done->record(*stream);
+  done->synchronize();  // I2 (M17): the staging chunk is reused by the next transfer only after this copy
+  return done;
+}
+
+}  // namespace hsoffload

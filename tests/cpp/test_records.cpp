@@ -1,0 +1,125 @@
+// C++ unit tests of the record index (csrc/records.cpp) and prefetch scheduling (csrc/prefetch.cpp): dedup by
+// storage and span, weak entries, pruning, and which records a restore prefetches. CPU only, no streams, no copies.
+#include "hsoffload/prefetch.h"
+#include "hsoffload/records.h"
+
+#include "test_expect.h"
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <vector>
+
+namespace {
+
+using hsoffload::OffloadRecord;
+using hsoffload::RecordIndex;
+
+std::shared_ptr<OffloadRecord> record_of(const at::Tensor& x, int64_t begin, int64_t end, int64_t seq = 0,
+                                         int64_t group = 0, int64_t epoch = 0) {
+  auto r = std::make_shared<OffloadRecord>();
+  r->seq = seq;
+  r->group = group;
+  r->epoch = epoch;
+  r->source.device = x.device();
+  r->source.storage = x.storage().getWeakStorageImpl();
+  r->source.begin = begin;
+  r->source.end = end;
+  return r;
+}
+
+const c10::StorageImpl* storage_of(const at::Tensor& x) { return x.storage().unsafeGetStorageImpl(); }
+
+void test_find_covers_spans() {
+  RecordIndex index;
+  at::Tensor x = at::randn({256});  // 1024 bytes
+  auto r = record_of(x, 0, 1024);
+  index.add(r);
+  EXPECT(index.find(storage_of(x), 0, 1024) == r);
+  EXPECT(index.find(storage_of(x), 512, 600) == r);   // a view inside the span shares the record
+  EXPECT(index.find(storage_of(x), 512, 1100) == nullptr);  // overlapping only: not covered
+  at::Tensor y = at::randn({256});
+  EXPECT(index.find(storage_of(y), 0, 1024) == nullptr);  // another storage
+  EXPECT(index.live() == 1 && index.size() == 1);
+}
+
+void test_weak_entries_and_prune() {
+  RecordIndex index;
+  at::Tensor x = at::randn({64});
+  {
+    auto r = record_of(x, 0, 256);
+    index.add(r);
+    EXPECT(index.live() == 1);
+  }
+  EXPECT(index.live() == 0 && index.size() == 1);  // the index keeps no record alive
+  EXPECT(index.find(storage_of(x), 0, 256) == nullptr);
+  index.prune();
+  EXPECT(index.size() == 0);
+}
+
+void test_dead_storage_never_matches() {
+  RecordIndex index;
+  const c10::StorageImpl* address = nullptr;
+  std::shared_ptr<OffloadRecord> r;
+  {
+    at::Tensor x = at::randn({64});
+    address = storage_of(x);
+    r = record_of(x, 0, 256);
+    index.add(r);
+  }
+  // The record lives (a handle holds it) but its storage is gone: a lookup by the old address, which a new
+  // storage may reuse, is confirmed through the weak reference and fails.
+  EXPECT(index.find(address, 0, 256) == nullptr);
+}
+
+void test_prefetch_order_and_depths() {
+  RecordIndex index;
+  at::Tensor x = at::randn({1024});
+  std::vector<std::shared_ptr<OffloadRecord>> held;
+  for (int64_t i = 0; i < 5; ++i) {  // one record per group, packed in order 0..4
+    held.push_back(record_of(x, i * 512, (i + 1) * 512, /*seq=*/i, /*group=*/i));
+    index.add(held.back());
+  }
+  // Restoring group 4 with host depth 2 brings back groups 3 and 2, newest first (reverse pack order).
+  auto next = hsoffload::records_to_prefetch(index, *held[4], {2, 0});
+  EXPECT(next.size() == 2 && next[0] == held[3] && next[1] == held[2]);
+  // Records already prefetched are skipped, and the quota counts groups, not records.
+  held[3]->restore.prefetched = at::empty({512}, at::kByte);
+  next = hsoffload::records_to_prefetch(index, *held[4], {2, 0});
+  EXPECT(next.size() == 1 && next[0] == held[2]);
+  // Depth 0: nothing.
+  EXPECT(hsoffload::records_to_prefetch(index, *held[4], {0, 0}).empty());
+  // Another scope entry (epoch) is never prefetched.
+  held[2]->epoch = -1;
+  next = hsoffload::records_to_prefetch(index, *held[4], {3, 0});
+  EXPECT(next.empty());
+}
+
+void test_prefetch_rest_of_group() {
+  RecordIndex index;
+  at::Tensor x = at::randn({1024});
+  std::vector<std::shared_ptr<OffloadRecord>> held;
+  for (int64_t i = 0; i < 4; ++i) {  // groups {0, 1} and {2, 3}
+    held.push_back(record_of(x, i * 512, (i + 1) * 512, /*seq=*/i, /*group=*/i / 2));
+    index.add(held.back());
+  }
+  // A recompute reads its layer's tensors in forward order: restoring record 2 brings back record 3 (distance 0)
+  // and, with depth 1, group 0.
+  auto next = hsoffload::records_to_prefetch(index, *held[2], {1, 0});
+  EXPECT(next.size() == 3 && next[0] == held[3] && next[1] == held[1] && next[2] == held[0]);
+  // Packed after the current one and restored already: backward is past it.
+  held[3]->restore.restored_once = true;
+  next = hsoffload::records_to_prefetch(index, *held[2], {1, 0});
+  EXPECT(next.size() == 2 && next[0] == held[1]);
+}
+
+}  // namespace
+
+int main() {
+  test_find_covers_spans();
+  test_weak_entries_and_prune();
+  test_dead_storage_never_matches();
+  test_prefetch_order_and_depths();
+  test_prefetch_rest_of_group();
+  EXPECT_DONE("test_records");
+}
