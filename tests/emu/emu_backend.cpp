@@ -477,7 +477,8 @@ void op_sleep(int64_t us) {
 std::vector<int64_t> op_stats() {
   const Counters c = counters();
   return {c.async_copies,  c.sync_copies,    c.cross_stream_waits,    c.device_allocs, c.device_reuses,
-          c.deferred_frees, c.pinned_deferred_frees, c.host_syncs, c.job_errors};
+          c.deferred_frees, c.pinned_deferred_frees, c.host_syncs, c.job_errors, c.allocated_bytes,
+          c.peak_allocated_bytes};
 }
 
 }  // namespace
@@ -518,8 +519,10 @@ TORCH_LIBRARY(hsemu, m) {
   // Waits until every stream is idle.
   m.def("synchronize() -> ()", [] { hsemu::drain_all(); });
   // async_copies, sync_copies, cross_stream_waits, device_allocs, device_reuses, deferred_frees,
-  // pinned_deferred_frees, host_syncs, job_errors (cumulative).
+  // pinned_deferred_frees, host_syncs, job_errors (cumulative); allocated_bytes, peak_allocated_bytes (gauges).
   m.def("stats() -> int[]", &hsemu::op_stats);
+  // Sets peak_allocated_bytes to the current allocated_bytes.
+  m.def("reset_peak() -> ()", [] { hsemu::reset_peak_allocated(); });
   // Frees idle pinned blocks whose copies have completed.
   m.def("empty_pinned_cache() -> ()", [] { hsemu::empty_pinned_cache(); });
 }

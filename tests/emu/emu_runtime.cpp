@@ -181,6 +181,7 @@ class DeviceAllocator final : public c10::Allocator {
       live_.emplace(block.ptr, block);
     }
     count(&Counters::device_allocs);
+    count_allocated(static_cast<int64_t>(block.size));
     if (reused) {
       count(&Counters::device_reuses);
     }
@@ -199,6 +200,7 @@ class DeviceAllocator final : public c10::Allocator {
     TORCH_INTERNAL_ASSERT(it != live_.end(), "hsemu: freeing a block the device allocator does not own");
     Block block = std::move(it->second);
     live_.erase(it);
+    count_allocated(-static_cast<int64_t>(block.size));
     Pending pending;
     for (c10::StreamId use : block.uses) {
       const bool seen = std::any_of(pending.waits.begin(), pending.waits.end(),
@@ -442,6 +444,17 @@ Counters counters() {
 void count(int64_t Counters::*field, int64_t n) {
   std::lock_guard<std::mutex> lock(counters_mutex());
   counters_locked().*field += n;
+}
+void count_allocated(int64_t delta) {
+  std::lock_guard<std::mutex> lock(counters_mutex());
+  Counters& c = counters_locked();
+  c.allocated_bytes += delta;
+  c.peak_allocated_bytes = std::max(c.peak_allocated_bytes, c.allocated_bytes);
+}
+void reset_peak_allocated() {
+  std::lock_guard<std::mutex> lock(counters_mutex());
+  Counters& c = counters_locked();
+  c.peak_allocated_bytes = c.allocated_bytes;
 }
 
 }  // namespace hsemu
