@@ -105,8 +105,9 @@ struct Counters {
   int64_t pinned_deferred_frees = 0;  // pinned frees held back by pending copies
   int64_t host_syncs = 0;           // stream, event or device synchronisations (the host waited)
   int64_t job_errors = 0;           // jobs that threw (reported on stderr)
-  // Gauges, not cumulative: bytes of live device blocks as handed out (rounded to the 512-byte block size, as
-  // torch.cuda.memory_allocated counts), and their high-water mark since the last reset_peak_allocated().
+  // Gauges, not cumulative: bytes handed out in live device blocks (each request rounded up to 512 bytes, as
+  // torch.cuda.memory_allocated counts; a reused larger block counts as the request, as CUDA's splitting makes
+  // it), and their high-water mark since the last reset_peak_allocated().
   // A block counts from allocate() to free(), even while its reuse is held back by record_stream uses.
   int64_t allocated_bytes = 0;
   int64_t peak_allocated_bytes = 0;
