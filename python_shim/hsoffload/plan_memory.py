@@ -19,7 +19,7 @@ Llama-style decoder layer; `tests/emu/test_device_peak.py` checks the predicted 
 - Weights and gradients in the training dtype; AdamW keeps two moments per parameter in float32 (torch's AdamW
   keeps them in the parameter's dtype: a float32 model is exact, bf16 weights without float32 masters hold half);
   its foreach update allocates one moment-sized temporary.
-- RMSNorm upcasts to float32 (saves the float32 input and normalised tensor when the dtype is narrower).
+- RMSNorm upcasts to float32 (saves a float32 copy of its input when the dtype is narrower).
 - Attention ``sdpa``/``flash``: fused kernels, memory linear in the sequence (q, k, v, output, logsumexp saved);
   ``math``: SDPA's fallback on devices without fused kernels (the S x S probabilities saved per head, two more in
   flight); ``eager``: transformers' eager attention (float32 softmax, the 4-D additive mask alive through the step).
@@ -284,9 +284,11 @@ def hidden_bytes(shape: ModelShape, s: Setup) -> int:
 
 
 def norm_saved_bytes(width: int, tokens: int, b: int, with_input: bool = False) -> int:
-    """What one RMSNorm over `width` saves: its normalised tensor and output (and float32 copies of its input and
-    normalised tensor when the dtype is narrower); `with_input`: also its input (held by no one else)."""
-    saved = tokens * width * (2 * b + (2 * F32 if b < F32 else 0))
+    """What one RMSNorm over `width` saves (transformers': upcast, normalise, cast back, scale): the normalised tensor
+    in the dtype and the output, and when the dtype is narrower the float32 copy of its input (the float32
+    normalised tensor is not saved: its cast back saves nothing); `with_input`: also its input when that is the
+    float32 copy itself (held by no one else)."""
+    saved = tokens * width * (2 * b + (F32 if b < F32 else 0))
     return saved + (tokens * width * b if with_input and b >= F32 else 0)
 
 
@@ -334,21 +336,21 @@ def attention_saved_bytes(shape: ModelShape, s: Setup) -> int:
 
 def attention_forward_transient_bytes(shape: ModelShape, s: Setup) -> int:
     """Beyond what attention saves, the most its forward has in flight: math/eager, one more score tensor per head
-    (and eager's float32 softmax input); sdpa/flash, the kernel's output before it is made contiguous."""
+    (the masked scores beside the probabilities); sdpa/flash, the kernel's output before it is made contiguous."""
     if s.attn in ("sdpa", "flash"):
         return s.tokens * shape.heads * shape.head_dim * s.dtype_bytes
-    quad = attention_quadratic_bytes(shape, s)
-    return quad if s.attn == "math" else 2 * quad
+    return attention_quadratic_bytes(shape, s)
 
 
 def attention_backward_transient_bytes(shape: ModelShape, s: Setup) -> int:
     """Gradients in flight in attention's backward: math/eager, the probabilities' gradient and the scores'
-    (S x S per head each, float32 in eager's softmax); sdpa/flash, dq, dk, dv and the output's gradient."""
+    (S x S per head each, float32 in eager's softmax), beside the saved probabilities; sdpa/flash, dq, dk, dv and
+    the output's gradient."""
     t, b = s.tokens, s.dtype_bytes
     if s.attn in ("sdpa", "flash"):
         return t * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim * b
     quad = attention_quadratic_bytes(shape, s)
-    return 2 * quad if s.attn == "math" else quad + 2 * quad * F32 // b
+    return 2 * quad if s.attn == "math" else 2 * quad * F32 // b
 
 
 def ulysses_buffer_bytes(shape: ModelShape, s: Setup) -> int:
@@ -479,6 +481,23 @@ def head_backward_transient_bytes(shape: ModelShape, s: Setup) -> int:
     return 2 * tv * F32 + (tv * s.dtype_bytes if s.dtype_bytes < F32 else 0) + hidden_bytes(shape, s)
 
 
+def head_parts(shape: ModelShape, s: Setup) -> dict[str, dict[str, int]]:
+    """The head's bytes in its forward (at the loss) and backward phases, by part, for the phase table."""
+    norm = norm_saved_bytes(shape.hidden, s.tokens, s.dtype_bytes, with_input=True)
+    if s.chunked_loss:
+        saved = hidden_bytes(shape, s)
+        return {"forward": {"final_norm": norm, "chunked_loss": saved + head_forward_transient_bytes(shape, s)},
+                "backward": {"final_norm": norm, "chunked_loss": saved + head_backward_transient_bytes(shape, s)}}
+    tv = s.tokens * shape.vocab
+    upcast = tv * F32 if s.dtype_bytes < F32 else 0
+    return {
+        "forward": {"final_norm": norm, "logits": logits_bytes(shape, s), "logits_float32": upcast,
+                    "log_probs": tv * F32},
+        "backward": {"final_norm": norm, "log_probs": tv * F32,
+                     "logits_gradients": head_backward_transient_bytes(shape, s)},
+    }
+
+
 def embedding_bytes(shape: ModelShape, s: Setup) -> int:
     """The embedding's output (the first layer's input; counted as held by that layer) and, in its backward, the
     embedding's weight gradient (vocab x hidden), counted in the gradients."""
@@ -534,11 +553,11 @@ def phases(shape: ModelShape, s: Setup) -> list[Phase]:
             attention_mask=step_mask + (attention_mask_bytes(shape, s) if s.attn == "math" else 0),
             layer_working_set=work)
     all_held = sum(held[j] for j in _device_layers(s, shape.layers, shape.layers, False))
-    add("head forward", **base, held_for_backward=all_held, attention_mask=persistent_mask,
-        head_saved=head_saved_bytes(shape, s), head_transient=head_forward_transient_bytes(shape, s))
+    head = head_parts(shape, s)
+    add("head forward", **base, held_for_backward=all_held, attention_mask=persistent_mask, **head["forward"])
     head_grads = head_gradient_bytes(shape, s)
     add("head backward", **base, gradients=head_grads, held_for_backward=all_held, attention_mask=persistent_mask,
-        head_saved=head_saved_bytes(shape, s), head_transient=head_backward_transient_bytes(shape, s))
+        **head["backward"])
     grads = head_grads
     for i in reversed(range(shape.layers)):
         grads += layer_gradient_bytes(shape, s, moe_flags[i])

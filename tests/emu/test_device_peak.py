@@ -1,0 +1,119 @@
+"""`hsoffload plan`'s device peak against the emulated device's allocator: one real training step (forward, backward,
+AdamW step) of tiny transformers models, at three sequence lengths, with checkpointing alone, with hidden-state
+offload and with policy "all" (no checkpointing); the predicted peak must be within 10 % of the measured one.
+
+The measured figure is `hsemu.stats()["peak_allocated_bytes"]` (every block the device allocator hands out, rounded to
+512 bytes as CUDA's allocator counts), reset before the step, so it holds the weights and optimizer states too. The
+step measured is the second (steady state: AdamW's moments exist, gradients were freed by zero_grad). The
+planner sees the same config.json and settings: float32, SDPA, which on this device (a PrivateUse1 backend without
+fused attention kernels) runs SDPA's math fallback: `--attn math`. Copies run without delay: the model assumes
+offload copies keep up with compute. MoE: transformers' eager expert loop (its grouped_mm path needs integer
+`histc`, which the CPU kernels behind this device lack).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import transformers
+
+import hsemu
+import hsoffload
+from hsoffload import plan
+
+SEQS = (256, 512, 1024)
+MODES = ("checkpointing", "hidden_states", "all")
+TOLERANCE = 0.10
+_errors: dict[str, float] = {}
+
+
+def _config(family: str) -> Any:
+    common: dict[str, Any] = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "qwen3":
+        return transformers.Qwen3Config(head_dim=16, **common)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                                          **common)
+        cfg._experts_implementation = "eager"
+        return cfg
+    raise AssertionError(family)
+
+
+@contextlib.contextmanager
+def _scope(model: torch.nn.Module, mode: str) -> Iterator[Any]:
+    if mode == "checkpointing":
+        yield None
+    else:
+        with hsoffload.offload_hidden_states(model, policy=mode, min_offload_size=0) as scope:
+            yield scope
+
+
+def _measure(family: str, seq: int, mode: str, dev: torch.device) -> int:
+    """Peak allocated bytes of the second training step."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(dev)
+    assert model.config._attn_implementation == "sdpa"  # transformers' choice here: the planner's --attn math
+    model.train()
+    if mode != "all":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(3, 512, (1, seq)).to(dev)
+    peak = 0
+    for _ in range(2):
+        hsemu.synchronize()
+        hsemu.reset_peak()
+        with _scope(model, mode) as scope:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        hsemu.synchronize()
+        peak = hsemu.stats()["peak_allocated_bytes"]
+        if scope is not None:  # it engaged: tensors went to the host and came back
+            assert scope.stats.offloaded_tensors > 0 and scope.stats.restored_tensors >= scope.stats.offloaded_tensors
+    return peak
+
+
+def _predict(family: str, seq: int, mode: str, tmp_path: Path) -> dict[str, Any]:
+    _config(family).save_pretrained(tmp_path)
+    return plan.plan(plan.PlanInput(
+        config=str(tmp_path), seq_len=seq, dtype="float32", attn="math", checkpointing=mode != "all",
+        policy="all" if mode == "all" else "hidden_states", host_ram_bytes=1 << 40, device_bytes=1 << 40,
+    ))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_planned_peak_matches_the_allocator(family: str, dev: torch.device, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    rows = []
+    with hsemu.copy_delay(0, 0, 0):
+        for mode in MODES:
+            for seq in SEQS:
+                measured = _measure(family, seq, mode, dev)
+                p = _predict(family, seq, mode, tmp_path)
+                predicted = p["device_peak_bytes"] if mode != "checkpointing" else p["device_peak_bytes_checkpointing"]
+                rows.append((mode, seq, measured, predicted, (predicted - measured) / measured, p["peak_phase"]))
+    worst = max(rows, key=lambda r: abs(r[4]))
+    _errors[family] = worst[4]
+    with capsys.disabled():
+        print(f"\nplanner vs hsemu allocator, {family} (float32, SDPA math, 3 layers):")
+        for mode, seq, measured, predicted, err, phase in rows:
+            print(f"  {mode:<14}{seq:>6}  measured {measured / 2**20:8.2f} MiB  predicted {predicted / 2**20:8.2f} MiB"
+                  f"  {err:+6.1%}  ({phase})")
+        print(f"  worst error {worst[4]:+.1%} ({worst[0]}, seq {worst[1]}); worst so far over "
+              f"{', '.join(_errors)}: {max(_errors.values(), key=abs):+.1%}")
+    bad = [r for r in rows if abs(r[4]) > TOLERANCE]
+    assert not bad, f"{family}: predicted peak off by more than {TOLERANCE:.0%}: {bad}"
+    # The figures must move with the length, or the test proves nothing about the activation terms.
+    assert rows[2][2] > 3 * rows[0][2]
