@@ -128,7 +128,7 @@ def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
         chunked_loss=inp.chunked_loss, attn=inp.attn, checkpointing=inp.checkpointing,
         offload=policy,  # "all" with checkpointing offloads the checkpoint inputs (what remains saved)
         keep_last_layers=min(inp.keep_last_layers, shape.layers) if inp.keep_last_layers >= 0 else inp.keep_last_layers,
-        prefetch_depth=inp.prefetch_depth, optimizer=inp.optimizer,
+        prefetch_depth=inp.prefetch_depth, optimizer=inp.optimizer, selective_checkpointing=policy == "sac",
     )
     setup.check(shape)
     return setup

@@ -68,7 +68,9 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied_embeddings: bool
-    qk_norm: bool = False
+    qk_norm: bool = False  # RMSNorm on q and k (Qwen3, Gemma3: per head; OLMo2: over all heads)
+    qk_norm_params: int = 0
+    norms_per_layer: int = 2  # Gemma2/3: four (pre and post of attention and MLP)
     attention_bias: bool = False
     experts: int = 0  # routed experts per MoE layer; 0: a dense model
     experts_per_token: int = 0
@@ -83,7 +85,7 @@ class ModelShape:
     def attention_parameters(self) -> int:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         bias = (q + 2 * kv) if self.attention_bias else 0
-        return self.hidden * (q + 2 * kv) + q * self.hidden + bias + (2 * self.head_dim if self.qk_norm else 0)
+        return self.hidden * (q + 2 * kv) + q * self.hidden + bias + self.qk_norm_params
 
     def dense_mlp_parameters(self) -> int:
         return 3 * self.hidden * self.intermediate
@@ -94,7 +96,7 @@ class ModelShape:
         return self.hidden * self.experts + self.experts * 3 * self.hidden * self.expert_intermediate + shared
 
     def layer_parameters(self, moe: bool) -> int:
-        return self.attention_parameters() + 2 * self.hidden + (self.moe_parameters() if moe else self.dense_mlp_parameters())
+        return self.attention_parameters() + self.norms_per_layer * self.hidden + (self.moe_parameters() if moe else self.dense_mlp_parameters())
 
     def parameters(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
@@ -159,10 +161,18 @@ def shape_from_config(data: dict[str, Any], source: str = "config") -> ModelShap
         moe_layers = sum(1 for i in range(layers)
                          if i not in dense and i >= first_dense and (i + 1) % step == 0)
     tied = bool(cfg.get("tie_word_embeddings", data.get("tie_word_embeddings", True)))
-    qk_norm = str(cfg.get("model_type", model_type)).startswith(("qwen3", "olmo2", "gemma3"))
+    text_type = str(cfg.get("model_type", model_type))
+    qk_norm = text_type.startswith(("qwen3", "olmo2", "olmo3", "gemma3"))
+    qk_norm_params = 0
+    if qk_norm:
+        per_head = not text_type.startswith(("olmo2", "olmo3"))
+        qk_norm_params = 2 * head_dim if per_head else (heads + kv_heads) * head_dim
+    norms = 4 if text_type.startswith(("gemma2", "gemma3")) else 2
+    label = str(model_type) if cfg is data else f"{model_type} (text model {text_type}; other towers not counted)"
     return ModelShape(
-        model_type=str(model_type), layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
+        model_type=label, layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, vocab=vocab, tied_embeddings=tied, qk_norm=qk_norm,
+        qk_norm_params=qk_norm_params, norms_per_layer=norms,
         attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe"))),
         experts=experts, experts_per_token=per_token, expert_intermediate=expert_inter,
         shared_expert_intermediate=shared_inter, moe_layers=moe_layers,
@@ -187,6 +197,7 @@ class Setup:
     keep_last_layers: int = 0
     prefetch_depth: int = 1
     optimizer: str = "adamw"
+    selective_checkpointing: bool = False  # a SAC policy keeps the projections' outputs (policy "sac" offloads them)
 
     @property
     def tokens(self) -> int:
@@ -402,7 +413,7 @@ def layer_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """Everything one decoder layer saves for backward, its input excluded: what it holds without checkpointing,
     and what its recompute materialises with it."""
     t, b = s.tokens, s.dtype_bytes
-    norms = 2 * norm_saved_bytes(shape.hidden, t, b)
+    norms = shape.norms_per_layer * norm_saved_bytes(shape.hidden, t, b)
     mid_residual = t * shape.hidden * b  # the attention block's residual sum, the second norm's input
     return norms + mid_residual + attention_saved_bytes(shape, s) + mlp_saved_bytes(shape, s, moe)
 
@@ -434,7 +445,8 @@ def held_per_layer_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     "sac": also the projections' outputs), or without checkpointing everything the layer saves and its input."""
     if not s.checkpointing:
         return layer_saved_bytes(shape, s, moe) + hidden_bytes(shape, s)
-    per_token = shape.hidden + (sac_elements_per_token(shape) if s.offload == "sac" else 0)
+    sac = s.selective_checkpointing or s.offload == "sac"
+    per_token = shape.hidden + (sac_elements_per_token(shape) if sac else 0)
     return s.tokens * per_token * s.dtype_bytes
 
 
