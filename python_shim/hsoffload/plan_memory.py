@@ -47,7 +47,10 @@ from typing import Any, Callable, Optional
 
 F32 = 4
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash", "math", "eager")
-OPTIMIZERS = {"adamw": 8, "adam": 8, "adamw8bit": 2, "sgd": 0, "sgd_momentum": 4}  # bytes of state per parameter
+# Optimizer state per parameter: bytes, or None for "two moments in the parameter's dtype" (torch.optim.AdamW on
+# bf16 parameters without float32 master weights).
+OPTIMIZERS: dict[str, Optional[int]] = {"adamw": 8, "adam": 8, "adamw_param_dtype": None, "adamw8bit": 2, "sgd": 0,
+                                        "sgd_momentum": 4}
 OFFLOAD_POLICIES = ("hidden_states", "sac", "all")
 
 
@@ -255,13 +258,17 @@ def gradients_bytes(shape: ModelShape, s: Setup) -> int:
 
 def optimizer_state_bytes(shape: ModelShape, s: Setup) -> int:
     """Optimizer states (AdamW: two float32 moments per parameter), this rank's shard."""
-    return shape.parameters() * OPTIMIZERS[s.optimizer] // s.shards
+    return shape.parameters() * _state_bytes_per_parameter(s) // s.shards
+
+
+def _state_bytes_per_parameter(s: Setup) -> int:
+    per = OPTIMIZERS[s.optimizer]
+    return 2 * s.dtype_bytes if per is None else per
 
 
 def optimizer_step_bytes(shape: ModelShape, s: Setup) -> int:
     """Temporaries of the update: torch's foreach AdamW allocates one moment-sized tensor list (sqrt(v) + eps)."""
-    per_param = OPTIMIZERS[s.optimizer] // 2
-    return shape.parameters() * per_param // s.shards
+    return shape.parameters() * (_state_bytes_per_parameter(s) // 2) // s.shards
 
 
 def fsdp_gathered_bytes(shape: ModelShape, s: Setup) -> int:
@@ -315,17 +322,19 @@ def _local_heads(shape: ModelShape, s: Setup) -> int:
 
 
 def attention_quadratic_bytes(shape: ModelShape, s: Setup) -> int:
-    """One S x S score tensor per head on this rank (math/eager attention), in the dtype."""
-    return s.micro_batch * _local_heads(shape, s) * s.seq_len * s.seq_len * s.dtype_bytes
+    """One S x S score tensor per head on this rank (math/eager attention): in the dtype for eager, in float32 for
+    math (SDPA's math fallback upcasts half and bfloat16 inputs unless allow_fp16_bf16_reduction_math_sdp)."""
+    b = F32 if s.attn == "math" else s.dtype_bytes
+    return s.micro_batch * _local_heads(shape, s) * s.seq_len * s.seq_len * b
 
 
 def attention_mask_bytes(shape: ModelShape, s: Setup) -> int:
     """The additive causal mask: eager attention's 4-D mask (batch x 1 x S x S, alive through the step under
-    checkpointing), math SDPA's S x S one built per call (plus its boolean source)."""
+    checkpointing), math SDPA's float32 S x S one built per call (plus its boolean source)."""
     if s.attn == "eager":
         return s.micro_batch * s.seq_len * s.seq_len * s.dtype_bytes
     if s.attn == "math":
-        return s.seq_len * s.seq_len * (s.dtype_bytes + 1)
+        return s.seq_len * s.seq_len * (F32 + 1)
     return 0
 
 
@@ -337,31 +346,37 @@ def attention_saved_bytes(shape: ModelShape, s: Setup) -> int:
     qk_norm = norm_saved_bytes(q + kv, t, b, with_input=True) if shape.qk_norm else 0
     if s.attn in ("sdpa", "flash"):
         kernel = t * (q + 2 * kv + q) * b + t * shape.heads * F32  # q, k, v, output, logsumexp
-    else:  # k and v repeated to every head; the probabilities
-        probs = attention_quadratic_bytes(shape, s)
-        if s.attn == "eager":  # float32 softmax, cast back to the dtype when narrower
-            probs = probs * F32 // b + (probs if b < F32 else 0)
-        kernel = t * 3 * q * b + probs
+    elif s.attn == "math":  # scaled q and k, v repeated to every head, probabilities: float32
+        kernel = t * 3 * q * F32 + attention_quadratic_bytes(shape, s)
+    else:  # eager: k and v repeated to every head; float32 softmax, cast back to the dtype when narrower
+        quad = attention_quadratic_bytes(shape, s)
+        kernel = t * 3 * q * b + quad * F32 // b + (quad if b < F32 else 0)
     return qk_norm + kernel + t * q * b  # + o_proj's input (the output made contiguous)
 
 
 def attention_forward_transient_bytes(shape: ModelShape, s: Setup) -> int:
     """Beyond what attention saves, the most its forward has in flight: math/eager, one more score tensor per head
-    (the masked scores beside the probabilities); sdpa/flash, the kernel's output before it is made contiguous."""
+    (the masked scores beside the probabilities; eager in a narrower dtype also their float32 copy for the
+    softmax); sdpa/flash, the kernel's output before it is made contiguous."""
     if s.attn in ("sdpa", "flash"):
         return s.tokens * shape.heads * shape.head_dim * s.dtype_bytes
-    return attention_quadratic_bytes(shape, s)
+    quad = attention_quadratic_bytes(shape, s)
+    if s.attn == "eager" and s.dtype_bytes < F32:
+        return quad + quad * F32 // s.dtype_bytes
+    return quad
 
 
 def attention_backward_transient_bytes(shape: ModelShape, s: Setup) -> int:
     """Gradients in flight in attention's backward: math/eager, the probabilities' gradient and the scores'
-    (S x S per head each, float32 in eager's softmax), beside the saved probabilities; sdpa/flash, dq, dk, dv and
-    the output's gradient."""
+    (S x S per head each, float32 in eager's softmax), beside the saved float32 probabilities (eager's copy in the
+    dtype is released by then); sdpa/flash, dq, dk, dv and the output's gradient."""
     t, b = s.tokens, s.dtype_bytes
     if s.attn in ("sdpa", "flash"):
         return t * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim * b
     quad = attention_quadratic_bytes(shape, s)
-    return 2 * quad if s.attn == "math" else 2 * quad * F32 // b
+    if s.attn == "math":
+        return 2 * quad
+    return 2 * quad * F32 // b - (quad if b < F32 else 0)
 
 
 def ulysses_buffer_bytes(shape: ModelShape, s: Setup) -> int:
