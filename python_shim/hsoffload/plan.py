@@ -338,8 +338,11 @@ def plan(inp: PlanInput) -> dict[str, Any]:
 
 def advice(dominant: str, nbytes: int, fixes: list[str]) -> str:
     """One sentence: the dominant term and what would make the run fit."""
-    what = _PART_NAMES.get(dominant, dominant.replace("_", " "))
-    need = f"the {what} need{'s' if not what.endswith('s') else ''} {nbytes / _GIB:,.1f} GiB"
+    if dominant == "logits":  # the logits' parts summed: the float32 loss over them included
+        need = f"the logits and their float32 loss need {nbytes / _GIB:,.1f} GiB"
+    else:
+        what = _PART_NAMES.get(dominant, dominant.replace("_", " "))
+        need = f"the {what} need{'s' if not what.endswith('s') else ''} {nbytes / _GIB:,.1f} GiB"
     if fixes:
         return f"{need}: {' or '.join(fixes)} would make it fit"
     return f"{need}; no combination of the planner's knobs fits this device: more ranks, shorter sequences"
@@ -475,7 +478,9 @@ def max_seq(inp: PlanInput, step: int = 1024) -> dict[str, Any]:
                 row[f"{column}_peak_bytes"] = phase.total
                 row[f"{column}_dominant_term"] = dominant
         rows.append(row)
+    states = (pm.weights_bytes(shape, base) + pm.gradients_bytes(shape, base) + pm.optimizer_state_bytes(shape, base))
     return {"model_type": shape.model_type, "device_bytes": device_bytes, "world_size": inp.world_size,
+            "model_states_bytes": states,
             "micro_batch": inp.micro_batch, "dtype": inp.dtype, "attn": base.attn, "policy": base.offload,
             "step": step, "rows": rows}
 
@@ -496,8 +501,13 @@ def format_max_seq(r: dict[str, Any]) -> str:
               f"{r['world_size']} ranks, {r['device_bytes'] / _GIB:,.0f} GiB per device, attn {r['attn']}; longest "
               f"sequence that fits (multiples of {r['step']:,}), with the peak and its dominant term")
     width = max(len(row["knobs"]) for row in r["rows"]) + 2
-    col = max(len(cell(row, c)) for row in r["rows"] for c in ("checkpointing", "hsoffload")) + 2
+    col = max([len("checkpointing only")] + [len(cell(row, c)) for row in r["rows"]
+                                            for c in ("checkpointing", "hsoffload")]) + 2
     lines = [header, f"  {'knobs':<{width}}{'checkpointing only':<{col}}hsoffload ({r['policy']})"]
     for row in r["rows"]:
         lines.append(f"  {row['knobs']:<{width}}{cell(row, 'checkpointing'):<{col}}{cell(row, 'hsoffload')}")
+    if not any(row["hsoffload"] for row in r["rows"]):
+        lines.append(f"  the model states alone (weights, gradients, optimizer states: "
+                     f"{r['model_states_bytes'] / _GIB:,.1f} GiB per rank) leave no room: shard them over more ranks "
+                     "(--world-size) or pick a lighter optimizer")
     return "\n".join(lines)
