@@ -451,7 +451,7 @@ def max_seq(inp: PlanInput, step: int = 1024) -> dict[str, Any]:
     """The longest sequence (a multiple of `step`, and of the parallel degree) that fits the device, for checkpointing
     alone and hsoffload, with each knob combination that matters; rows as dicts."""
     shape = model_shape(inp.config)
-    base = setup_of(dataclasses.replace(inp, seq_len=max(inp.seq_len, 1)), shape)
+    base = setup_of(dataclasses.replace(inp, seq_len=math.lcm(step, inp.sequence_parallel)), shape)
     device_bytes = inp.device_bytes if inp.device_bytes is not None else default_device_bytes()
     sp = max([1] + [d for d in (2, 4, 8, 16, 32, 64) if d <= inp.world_size and shape.heads % d == 0])
     tiles = 0  # hidden-size chunks at each length (ALST's choice)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 F32 = 4
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash", "math", "eager")
@@ -404,8 +404,8 @@ def mlp_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
 
 def mlp_chunk_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """With tiled_mlp: one chunk's recompute (what the untiled MLP would save, for tokens / N)."""
-    tiled = dataclasses.replace(s, tiled_mlp=1, seq_len=s.seq_len, micro_batch=s.micro_batch)
-    return mlp_saved_bytes(shape, tiled, moe) // s.tiled_mlp if s.tiled_mlp > 1 else 0
+    untiled = dataclasses.replace(s, tiled_mlp=1)
+    return mlp_saved_bytes(shape, untiled, moe) // s.tiled_mlp if s.tiled_mlp > 1 else 0
 
 
 def mlp_backward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
@@ -447,11 +447,14 @@ def layer_backward_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
 
 
 def layer_forward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
-    """The most one layer's forward has in flight beyond what it saves (with checkpointing nothing is saved in the
-    first forward: the layer's tensors come and go, the largest set being attention's)."""
+    """The most one layer's forward has in flight beyond what it saves. With checkpointing nothing is saved in the
+    first forward: the layer's tensors come and go, the largest set being attention's (its would-be saved tensors
+    and transients) or the MLP's (without grad: act, up and their product, three quarters of what it would save;
+    one chunk's when tiled)."""
     extra = attention_forward_transient_bytes(shape, s) + ulysses_buffer_bytes(shape, s) + hidden_bytes(shape, s)
     if s.checkpointing:
-        return attention_saved_bytes(shape, s) + extra
+        mlp = (mlp_chunk_bytes(shape, s, moe) if s.tiled_mlp > 1 else mlp_saved_bytes(shape, s, moe)) * 3 // 4
+        return max(attention_saved_bytes(shape, s) + extra, mlp + hidden_bytes(shape, s))
     return extra
 
 
@@ -606,5 +609,3 @@ def peak(shape: ModelShape, s: Setup) -> Phase:
     """The phase with the most bytes on the device."""
     return max(phases(shape, s), key=lambda p: p.total)
 
-
-TERMS: dict[str, Callable[..., int]] = {}
