@@ -95,11 +95,13 @@ class ModelShape:
 
     def moe_parameters(self) -> int:
         """Router, routed experts and shared expert (with its gate) of one MoE layer."""
-        shared = 3 * self.hidden * self.shared_expert_intermediate + self.hidden if self.shared_expert_intermediate else 0
+        shared_inter = self.shared_expert_intermediate
+        shared = 3 * self.hidden * shared_inter + self.hidden if shared_inter else 0
         return self.hidden * self.experts + self.experts * 3 * self.hidden * self.expert_intermediate + shared
 
     def layer_parameters(self, moe: bool) -> int:
-        return self.attention_parameters() + self.norms_per_layer * self.hidden + (self.moe_parameters() if moe else self.dense_mlp_parameters())
+        mlp = self.moe_parameters() if moe else self.dense_mlp_parameters()
+        return self.attention_parameters() + self.norms_per_layer * self.hidden + mlp
 
     def parameters(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
