@@ -200,6 +200,8 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str,
     ({"model_type": "llama"}, "no hidden_size, num_hidden_layers, num_attention_heads, vocab_size"),
     ({"model_type": "deepseek_v3", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
       "vocab_size": 8, "kv_lora_rank": 4}, "multi-head latent attention"),
+    ({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": -1, "num_attention_heads": 4,
+      "vocab_size": 128}, "num_hidden_layers must be >= 1, got -1"),
     ([1, 2], "holds one JSON object"),
     ("{not json", "not a JSON file"),
 ])

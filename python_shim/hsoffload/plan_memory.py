@@ -148,6 +148,13 @@ def shape_from_config(data: dict[str, Any], source: str = "config") -> ModelShap
     assert hidden and layers and heads and vocab
     kv_heads = _int(cfg, "num_key_value_heads", "num_kv_heads", default=heads) or heads
     head_dim = _int(cfg, "head_dim", default=hidden // heads) or hidden // heads
+    for name, value in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
+                        ("vocab_size", vocab), ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
+        if value < 1:
+            raise PlanError(f"hsoffload plan: {source}: {name} must be >= 1, got {value}")
+    if heads % kv_heads:
+        raise PlanError(f"hsoffload plan: {source}: num_attention_heads {heads} is not a multiple of "
+                        f"num_key_value_heads {kv_heads}")
     experts = _int(cfg, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", default=0) or 0
     intermediate = _int(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden) or 4 * hidden
     moe_layers = 0
