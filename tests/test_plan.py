@@ -64,7 +64,7 @@ def test_one_million_tokens_does_not_fit_without_sequence_parallelism(capsys: py
     # The logits alone, in bf16, are 1M x 128256 x 2 B; the loss adds float32 log-probabilities and gradients.
     assert p["term_logits_bytes"] == 1048576 * 128256 * 2
     assert p["dominant_term_bytes"] > 5 * p["term_logits_bytes"]
-    assert p["device_peak_bytes"] > 20 * 80 * GIB
+    assert p["device_peak_bytes"] > 15 * 80 * GIB
     assert p["device_peak_bytes_checkpointing"] > p["device_peak_bytes"]
     assert p["device_peak_bytes_no_checkpointing"] > p["device_peak_bytes_checkpointing"]
     # One layer's recompute materialises the MLP's gate, up, act and product: 4 x 1M x 14336 x 2 B = 112 GiB.

@@ -354,13 +354,15 @@ def attention_saved_bytes(shape: ModelShape, s: Setup) -> int:
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     qk_norm = norm_saved_bytes(q + kv, t, b, with_input=True) if shape.qk_norm else 0
     if s.attn in ("sdpa", "flash"):
-        kernel = t * (q + 2 * kv + q) * b + t * shape.heads * F32  # q, k, v, output, logsumexp
-    elif s.attn == "math":  # scaled q and k, v repeated to every head, probabilities: float32
+        # q, k, v (GQA's k and v not repeated), the output (tokens-major already: making it contiguous for o_proj
+        # copies nothing, so o_proj saves the same tensor), logsumexp
+        return qk_norm + t * (q + 2 * kv + q) * b + t * shape.heads * F32
+    if s.attn == "math":  # scaled q and k, v repeated to every head, probabilities: float32
         kernel = t * 3 * q * F32 + attention_quadratic_bytes(shape, s)
     else:  # eager: k and v repeated to every head; float32 softmax, cast back to the dtype when narrower
         quad = attention_quadratic_bytes(shape, s)
         kernel = t * 3 * q * b + quad * F32 // b + (quad if b < F32 else 0)
-    return qk_norm + kernel + t * q * b  # + o_proj's input (the output made contiguous)
+    return qk_norm + kernel + t * q * b  # + o_proj's input (the head-major output made contiguous)
 
 
 def attention_forward_transient_bytes(shape: ModelShape, s: Setup) -> int:
@@ -512,12 +514,12 @@ def head_forward_transient_bytes(shape: ModelShape, s: Setup) -> int:
 
 
 def head_backward_transient_bytes(shape: ModelShape, s: Setup) -> int:
-    """In flight in the head's backward: the loss's gradient and the logits' (float32, and in the dtype when
-    narrower), beside the saved log-probabilities; then the hidden states' gradient. Chunked: none beyond saved."""
+    """In flight in the head's backward: the loss's gradient and the logits' (float32), beside the saved
+    log-probabilities (their cast to a narrower dtype comes after those two are freed: less); then the hidden
+    states' gradient. Chunked: none beyond what it saved."""
     if s.chunked_loss:
         return hidden_bytes(shape, s)
-    tv = s.tokens * shape.vocab
-    return 2 * tv * F32 + (tv * s.dtype_bytes if s.dtype_bytes < F32 else 0) + hidden_bytes(shape, s)
+    return 2 * s.tokens * shape.vocab * F32 + hidden_bytes(shape, s)
 
 
 def head_parts(shape: ModelShape, s: Setup) -> dict[str, dict[str, int]]:

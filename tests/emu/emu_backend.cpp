@@ -497,6 +497,12 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", TORCH_FN(hsemu::emu_set_tensor));
   m.impl("resize_", TORCH_FN(hsemu::emu_resize_));
   m.impl("record_stream", TORCH_FN(hsemu::emu_record_stream));
+  // Note on silu_backward / mish_backward: they are the only aten ops with both a CPU kernel and a
+  // CompositeImplicitAutograd decomposition, which a backend without a kernel of its own gets (SiLU's backward
+  // then holds six tokens x intermediate temporaries at once). CUDA and CPU run one fused kernel: routing them to
+  // the CPU kernel keeps this device's allocations those of a GPU (tests/emu/test_device_peak.py measures them).
+  m.impl("silu_backward", torch::CppFunction::makeFromBoxedFunction<&hsemu::compute_fallback>());
+  m.impl("mish_backward", torch::CppFunction::makeFromBoxedFunction<&hsemu::compute_fallback>());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
