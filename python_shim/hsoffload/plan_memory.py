@@ -504,11 +504,12 @@ def head_saved_bytes(shape: ModelShape, s: Setup) -> int:
 
 
 def head_forward_transient_bytes(shape: ModelShape, s: Setup) -> int:
-    """In flight at the loss: the logits and their float32 copy (the same tensor in float32); chunked: one chunk's
-    logits, float32 copy, probabilities and gradient, and the head's float32 weight gradient accumulator."""
+    """In flight at the loss: the logits and their float32 copy (the same tensor in float32); chunked (Liger's
+    fused linear cross-entropy): one chunk's logits, whose gradient the kernel writes in place, and the head's
+    weight-gradient accumulator."""
     if s.chunked_loss:
         chunk = loss_chunk_tokens(shape, s) * shape.vocab
-        return chunk * (s.dtype_bytes + 3 * F32) + shape.vocab * shape.hidden * F32
+        return chunk * s.dtype_bytes + shape.vocab * shape.hidden * s.dtype_bytes
     upcast = s.tokens * shape.vocab * F32 if s.dtype_bytes < F32 else 0
     return logits_bytes(shape, s) + upcast
 
