@@ -428,7 +428,9 @@ def format_plan(p: dict[str, Any]) -> str:
 def _longest(shape: pm.ModelShape, s: pm.Setup, device_bytes: int, step: int, auto_tiles: bool,
              limit: int = 1 << 26) -> int:
     """The longest multiple of `step` (<= limit) whose peak fits, 0 if none: doubling, then bisection (the peak
-    grows with the length). `auto_tiles`: the MLP tiled in hidden-size chunks at each length (ALST's choice)."""
+    grows with the length; where it steps, as the chunked loss's chunk doubling at powers of two, the length found
+    fits but a slightly longer one past the step might too). `auto_tiles`: the MLP tiled in hidden-size chunks at
+    each length (ALST's choice)."""
 
     def ok(k: int) -> bool:
         seq = k * step
