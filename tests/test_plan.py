@@ -141,6 +141,12 @@ def test_max_seq_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", LLAMA_8B, "--max-seq", "--world-size", "8", "--device-gib", "141"]) == 0
     text = capsys.readouterr().out
     assert "checkpointing only" in text and "+ chunked loss + tiled MLP + sequence parallel 8" in text
+    sp = _plan_json(capsys, LLAMA_8B, "--max-seq", "--world-size", "8", "--sequence-parallel", "8",
+                    "--device-gib", "80")
+    assert all(row["hsoffload"] % 8 == 0 for row in sp["rows"]) and sp["rows"][-1]["hsoffload"] > 1_000_000
+    assert sp["rows"][0]["hsoffload"] > 4 * rows["as given"]["hsoffload"]
+    assert main(["plan", LLAMA_8B, "--max-seq", "--device-gib", "80"]) == 0  # one rank: AdamW's states alone
+    assert "none fits" in (text := capsys.readouterr().out) and "leave no room" in text
 
 
 def test_multimodal_and_moe_configs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
