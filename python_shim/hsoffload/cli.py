@@ -78,20 +78,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-seq", type=int, default=None, help="length of the profiled step used for copy bandwidth (default: 32k or the longest that ran)")
     g.add_argument("--time-limit", type=float, default=420.0, help="seconds after which the GPU suite stops starting new measurements (default 420)")
 
-    pl = sub.add_parser("plan", help="before launch: device, host and spill bytes of a run, from a config.json alone")
+    pl = sub.add_parser("plan", help="before launch: a run's device peak and host/spill bytes, from a config.json alone")
     pl.add_argument("config", help="a transformers config.json, or a directory holding one (no weights needed)")
-    pl.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    pl.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (required unless --max-seq)")
+    pl.add_argument("--max-seq", action="store_true", help="instead: the longest sequence that fits the device, as one table (checkpointing only vs hsoffload, per knob combination)")
     pl.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and step (default 1)")
-    pl.add_argument("--world-size", type=int, default=1, help="ranks in all (default 1)")
+    pl.add_argument("--world-size", type=int, default=1, help="ranks in all (default 1: nothing sharded)")
     pl.add_argument("--local-world-size", type=int, default=None, help="ranks per node (default: min(world size, 8))")
     pl.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
     pl.add_argument("--bandwidth", type=float, default=25.0, metavar="GBps", help="host<->device copy bandwidth per rank, GB/s (default 25)")
     pl.add_argument("--tflops", type=float, default=400.0, help="sustained compute per rank, TFLOP/s (default 400)")
     pl.add_argument("--host-ram-gib", type=float, default=None, help="available RAM of one node, GiB (default: this machine's MemAvailable)")
-    pl.add_argument("--device-gib", type=float, default=80.0, help="memory of one device, GiB (default 80)")
+    pl.add_argument("--device-gib", type=float, default=None, help="memory of one device, GiB (default: the local GPU's when there is one, else 80)")
     pl.add_argument("--prefetch-depth", type=int, default=1, help="layers restored ahead in backward (default 1)")
-    pl.add_argument("--policy", default="hidden_states", help="hidden_states (default) or sac (projection outputs kept)")
+    pl.add_argument("--policy", default=None, help="hidden_states (default with checkpointing), sac (projection outputs kept) or all (default with --no-checkpointing)")
     pl.add_argument("--keep-last-layers", type=int, default=0, help="last layers left on the device (default 0)")
+    pl.add_argument("--optimizer", default="adamw", help="adamw (default: two float32 moments per parameter), adam, adamw_param_dtype (torch AdamW on bf16 weights: moments in bf16), adamw8bit, sgd or sgd_momentum")
+    pl.add_argument("--sequence-parallel", type=int, default=1, metavar="D", help="Ulysses sequence parallelism: tokens per rank = micro-batch x seq / D (default 1)")
+    pl.add_argument("--tiled-mlp", type=int, default=1, metavar="N", help="MLP computed in N sequence chunks, saving only its input (default 1: untiled)")
+    pl.add_argument("--chunked-loss", action="store_true", help="a fused/chunked linear cross-entropy: the logits are never materialised")
+    pl.add_argument("--attn", default="sdpa", help="sdpa (default) or flash: linear in the sequence; math (SDPA's fallback without fused kernels) or eager: quadratic")
+    pl.add_argument("--no-checkpointing", action="store_true", help="no gradient checkpointing (hsoffload then offloads with policy all)")
+    pl.add_argument("--no-fsdp", action="store_true", help="weights, gradients and optimizer states replicated on every rank (default: FSDP-sharded over --world-size)")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
@@ -141,16 +149,22 @@ def _device(spec: Optional[str]) -> None:
 def validate(args: argparse.Namespace) -> None:
     """Raises UsageError naming the first argument that cannot work."""
     if args.command == "plan":
-        for name in ("seq_len", "micro_batch", "world_size"):
+        if args.seq_len is None and not args.max_seq:
+            raise UsageError("--seq-len is required (or --max-seq)")
+        for name in ("seq_len", "micro_batch", "world_size", "sequence_parallel", "tiled_mlp"):
             _at_least(args, name, 1)
         if args.local_world_size is not None:
             _at_least(args, "local_world_size", 1)
         _at_least(args, "prefetch_depth", 0)
-        for name in ("bandwidth", "tflops", "device_gib"):
+        _at_least(args, "keep_last_layers", 0)
+        for name in ("bandwidth", "tflops"):
             if getattr(args, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-        if args.host_ram_gib is not None and args.host_ram_gib <= 0:
-            raise UsageError(f"--host-ram-gib must be > 0, got {args.host_ram_gib}")
+        for name in ("host_ram_gib", "device_gib"):
+            if getattr(args, name) is not None and getattr(args, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+        if args.seq_len is not None and args.seq_len % args.sequence_parallel:
+            raise UsageError(f"--seq-len {args.seq_len} is not divisible by --sequence-parallel {args.sequence_parallel}")
         return
     if args.command == "demo":
         for name in ("steps", "layers", "batch"):
@@ -192,28 +206,39 @@ def _plan(args: argparse.Namespace) -> int:
     from . import plan
 
     gib = 1 << 30
+    inp = plan.PlanInput(
+        config=args.config,
+        seq_len=args.seq_len if args.seq_len is not None else 1,
+        micro_batch=args.micro_batch,
+        world_size=args.world_size,
+        local_world_size=args.local_world_size,
+        dtype=args.dtype,
+        bandwidth_gbps=args.bandwidth,
+        tflops=args.tflops,
+        host_ram_bytes=int(args.host_ram_gib * gib) if args.host_ram_gib is not None else None,
+        device_bytes=int(args.device_gib * gib) if args.device_gib is not None else None,
+        prefetch_depth=args.prefetch_depth,
+        policy=args.policy,
+        keep_last_layers=args.keep_last_layers,
+        optimizer=args.optimizer,
+        sequence_parallel=args.sequence_parallel,
+        tiled_mlp=args.tiled_mlp,
+        chunked_loss=args.chunked_loss,
+        attn=args.attn,
+        checkpointing=not args.no_checkpointing,
+        fsdp=not args.no_fsdp,
+    )
     try:
-        result = plan.plan(
-            plan.PlanInput(
-                config=args.config,
-                seq_len=args.seq_len,
-                micro_batch=args.micro_batch,
-                world_size=args.world_size,
-                local_world_size=args.local_world_size,
-                dtype=args.dtype,
-                bandwidth_gbps=args.bandwidth,
-                tflops=args.tflops,
-                host_ram_bytes=int(args.host_ram_gib * gib) if args.host_ram_gib is not None else None,
-                device_bytes=int(args.device_gib * gib),
-                prefetch_depth=args.prefetch_depth,
-                policy=args.policy,
-                keep_last_layers=args.keep_last_layers,
-            )
-        )
+        if args.max_seq:
+            result = plan.max_seq(inp)
+            text = plan.format_max_seq(result)
+        else:
+            result = plan.plan(inp)
+            text = plan.format_plan(result)
     except ValueError as exc:
-        print(str(exc), file=sys.stderr)
+        print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
         return 2
-    print(json.dumps(result) if args.json else plan.format_plan(result))
+    print(json.dumps(result) if args.json else text)
     return 0
 
 

@@ -1,25 +1,36 @@
 """`hsoffload plan`: will a run fit, before launch, from a model's config.json alone.
 
-The model is built on the meta device (no weights, no memory) to count its parameters; the byte figures follow
-from what the offload policy moves: each checkpointed decoder layer's input, micro_batch x seq_len x hidden_size
-elements of `dtype`, once per layer and step (policy "hidden_states"); with policy "sac" and a selective-checkpoint
-policy that keeps the projections' matmul outputs (q, k, v, o, gate, up, down; attention by SDPA/flash, whose
-S x S scores are never saved), also those. `keep_last_layers` leaves the last k layers' bytes on the device. Times are estimates: the copy at the given bandwidth, the layer's
-forward at the given compute rate (2 FLOPs per parameter and token, plus causal attention).
+Two questions, per rank:
+
+- the device: its peak allocated bytes during one training step (forward, backward with recompute, optimizer step),
+  from the model in `plan_memory` (every term a function there), with hsoffload under the chosen policy, with
+  checkpointing alone and without checkpointing; the verdict compares the first with `device_bytes`, and when it
+  does not fit, the plan names the dominant term and the knobs that would make it fit;
+- the host: what the offload policy moves, per node (`max_host_bytes=auto` is 80 % of the node's available RAM),
+  and what would spill to disk. Times are estimates: the copy at the given bandwidth, the layer's forward at the given
+  compute rate (2 FLOPs per parameter and token, plus causal attention).
+
+`max_seq` searches the longest sequence that fits the device for each combination of knobs that matters.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
+from . import plan_memory as pm
+from .plan_memory import PlanError
+
+logger = logging.getLogger("hsoffload")
 
 _DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _GIB = float(1 << 30)
+PLAN_POLICIES = pm.OFFLOAD_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,25 +44,62 @@ class PlanInput:
     bandwidth_gbps: float = 25.0  # host <-> device, GB/s per rank
     tflops: float = 400.0  # sustained compute per rank, TFLOP/s
     host_ram_bytes: Optional[int] = None  # available RAM of one node; default: this machine's MemAvailable
-    device_bytes: int = 80 * (1 << 30)
+    device_bytes: Optional[int] = None  # default: this machine's GPU memory when it has one, else 80 GiB
     prefetch_depth: int = 1
-    policy: str = "hidden_states"  # or "sac"
+    policy: Optional[str] = None  # hidden_states (default with checkpointing), sac, or all (default without)
     keep_last_layers: int = 0
+    optimizer: str = "adamw"
+    sequence_parallel: int = 1
+    tiled_mlp: int = 1
+    chunked_loss: bool = False
+    attn: str = "sdpa"
+    checkpointing: bool = True
+    fsdp: bool = True
 
 
-def _load_config(path: str) -> Any:
-    import transformers
-
+def read_config(path: str) -> dict[str, Any]:
+    """The dict of a config.json (or of a directory's); PlanError naming the file when it is not one."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise ValueError(f"hsoffload plan: {path}: no config.json there; pass a config.json or a directory holding one")
-    data = json.loads(p.read_text())
-    model_type = data.pop("model_type", None)
+        raise PlanError(f"hsoffload plan: {path}: no config.json there; pass a config.json or a directory holding one")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"hsoffload plan: {p}: not a JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"hsoffload plan: {p}: a config.json holds one JSON object, got {type(data).__name__}")
+    return data
+
+
+# Model types whose configs the planner's formulas follow (checked against meta-device models in tests/test_plan.py);
+# other types are looked up in transformers' registry (importing transformers costs seconds).
+_COMMON_MODEL_TYPES = frozenset({
+    "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmo2", "phi3", "granite",
+    "gemma3_text",
+})
+
+
+def _known_model_types() -> Optional[set[str]]:
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:  # transformers absent: the fields decide
+        return None
+    return set(CONFIG_MAPPING_NAMES)
+
+
+def model_shape(path: str) -> pm.ModelShape:
+    """The ModelShape of the config at `path`; PlanError for missing or unknown model types and non-LM configs."""
+    data = read_config(path)
+    model_type = data.get("model_type")
     if not model_type:
-        raise ValueError(f"hsoffload plan: {p} has no model_type; it must be a transformers config.json")
-    return transformers.AutoConfig.for_model(model_type, **data)
+        raise PlanError(f"hsoffload plan: {path} has no model_type; it must be a transformers config.json")
+    known = None if model_type in _COMMON_MODEL_TYPES else _known_model_types()
+    if known is not None and model_type not in known:
+        raise PlanError(f"hsoffload plan: {path}: unknown model_type {model_type!r} (not one of the "
+                        f"{len(known)} this transformers knows)")
+    return pm.shape_from_config(data, source=str(path))
 
 
 def _mem_available() -> int:
@@ -63,97 +111,225 @@ def _mem_available() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _count_parameters(config: Any) -> tuple[int, int]:
-    """(all parameters, parameters of one decoder layer), from the model built on the meta device."""
-    import transformers
+def default_device_bytes() -> int:
+    """The local GPU's memory when there is one, else 80 GiB."""
+    try:
+        import torch
 
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    total = sum(p.numel() for p in model.parameters())
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    per_layer = sum(p.numel() for p in layers[0].parameters()) if layers else 0
-    return total, per_layer
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except Exception:  # noqa: BLE001  (no usable CUDA: the default stands)
+        logger.debug("hsoffload plan: no CUDA device; --device-gib defaults to 80")
+    return 80 * (1 << 30)
 
 
-PLAN_POLICIES = ("hidden_states", "sac")
-
-
-def sac_elements_per_token(config: Any) -> int:
-    """Elements per token that a selective-checkpoint policy keeping every projection's matmul output saves in one
-    decoder layer: q, k, v, o, and the MLP's gate, up and down (a gated MLP; two matrices otherwise)."""
-    hidden = int(config.hidden_size)
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    inter = int(getattr(config, "intermediate_size", None) or 4 * hidden)
-    gated = getattr(config, "hidden_act", "silu") in ("silu", "swiglu", "gelu_pytorch_tanh") or hasattr(
-        config, "mlp_bias"
+def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
+    """The validated Setup for `inp` (PlanError on what cannot work)."""
+    if inp.dtype not in _DTYPES:
+        raise PlanError(f"hsoffload plan: --dtype must be one of {', '.join(_DTYPES)}, got {inp.dtype!r}")
+    policy = inp.policy or ("hidden_states" if inp.checkpointing else "all")
+    if policy not in PLAN_POLICIES:
+        raise PlanError(f"hsoffload plan: --policy must be one of {', '.join(PLAN_POLICIES)}, got {policy!r}")
+    setup = pm.Setup(
+        seq_len=inp.seq_len, micro_batch=inp.micro_batch, dtype_bytes=_DTYPES[inp.dtype], world_size=inp.world_size,
+        fsdp=inp.fsdp, sequence_parallel=inp.sequence_parallel, tiled_mlp=inp.tiled_mlp,
+        chunked_loss=inp.chunked_loss, attn=inp.attn, checkpointing=inp.checkpointing,
+        offload=policy,  # "all" with checkpointing offloads the checkpoint inputs (what remains saved)
+        keep_last_layers=min(inp.keep_last_layers, shape.layers) if inp.keep_last_layers >= 0 else inp.keep_last_layers,
+        prefetch_depth=inp.prefetch_depth, optimizer=inp.optimizer, selective_checkpointing=policy == "sac",
     )
-    attention = heads * head_dim + 2 * kv_heads * head_dim + hidden
-    mlp = (2 * inter if gated else inter) + hidden
-    return attention + mlp
+    setup.check(shape)
+    return setup
+
+
+# The parts of a phase, as the text names them.
+_PART_NAMES = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer states",
+    "optimizer_update": "optimizer update temporaries",
+    "fsdp_gathered_layers": "FSDP-gathered layers",
+    "held_for_backward": "held for backward",
+    "attention_mask": "attention mask",
+    "layer_working_set": "one layer's forward/recompute + backward working set",
+    "final_norm": "final norm",
+    "logits": "logits",
+    "logits_float32": "logits in float32",
+    "log_probs": "loss log-probabilities (float32)",
+    "logits_gradients": "logits' gradients",
+    "chunked_loss": "chunked loss (one chunk, head gradient)",
+}
+_LOGIT_PARTS = ("logits", "logits_float32", "log_probs", "logits_gradients")
+
+
+def _peak_summary(shape: pm.ModelShape, setup: pm.Setup) -> tuple[pm.Phase, str, int]:
+    """The peak phase, its dominant term (logit parts summed as "logits") and that term's bytes."""
+    phase = pm.peak(shape, setup)
+    parts = dict(phase.parts)
+    logits = sum(parts.pop(k, 0) for k in _LOGIT_PARTS)
+    if logits:
+        parts["logits"] = logits
+    name = max(parts, key=lambda k: parts[k])
+    return phase, name, parts[name]
+
+
+def _fits(shape: pm.ModelShape, setup: pm.Setup, device_bytes: int) -> bool:
+    return pm.peak(shape, setup).total <= device_bytes
+
+
+def _parallel_degrees(shape: pm.ModelShape, s: pm.Setup) -> list[int]:
+    return [d for d in (2, 4, 8, 16, 32, 64) if d > s.sequence_parallel and d <= s.world_size
+            and s.seq_len % d == 0 and shape.heads % d == 0]
+
+
+def _knob_changes(shape: pm.ModelShape, s: pm.Setup) -> list[tuple[str, dict[str, Any]]]:
+    """Single knob changes worth trying, cheapest first."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    if s.attn in ("eager", "math"):
+        out.append(("--attn sdpa", {"attn": "sdpa"}))
+    if not s.chunked_loss:
+        out.append(("a chunked loss (--chunked-loss)", {"chunked_loss": True}))
+    tiles = max(2, math.ceil(s.tokens / shape.hidden))
+    if s.tiled_mlp < tiles:
+        out.append((f"a tiled MLP (--tiled-mlp {tiles})", {"tiled_mlp": tiles}))
+    if not s.checkpointing:
+        out.append(("checkpointing with hsoffload", {"checkpointing": True, "offload": "hidden_states"}))
+    for d in _parallel_degrees(shape, s):
+        out.append((f"sequence parallelism {d} (--sequence-parallel {d})", {"sequence_parallel": d}))
+    if s.world_size > 1 and not s.fsdp:
+        out.append(("FSDP sharding", {"fsdp": True}))
+    return out
+
+
+def suggest(shape: pm.ModelShape, s: pm.Setup, device_bytes: int) -> list[str]:
+    """What would make `s` fit: single knob changes that do, else the first combination (greedy) that does."""
+    single = []
+    for label, change in _knob_changes(shape, s):
+        try:
+            candidate = dataclasses.replace(s, **change)
+            candidate.check(shape)
+        except PlanError:
+            continue
+        if _fits(shape, candidate, device_bytes):
+            single.append(label)
+    if single:
+        return single
+    combined, labels = s, []
+    for _ in range(6):  # greedy: take the change that lowers the peak most, until it fits
+        best: Optional[tuple[int, str, pm.Setup]] = None
+        for label, change in _knob_changes(shape, combined):
+            try:
+                candidate = dataclasses.replace(combined, **change)
+                candidate.check(shape)
+            except PlanError:
+                continue
+            total = pm.peak(shape, candidate).total
+            if best is None or total < best[0]:
+                best = (total, label, candidate)
+        if best is None or best[0] >= pm.peak(shape, combined).total:
+            break
+        combined = best[2]
+        labels.append(best[1])
+        if best[0] <= device_bytes:
+            return [" + ".join(labels)]
+    return []
 
 
 def plan(inp: PlanInput) -> dict[str, Any]:
-    if inp.dtype not in _DTYPES:
-        raise ValueError(f"hsoffload plan: --dtype must be one of {', '.join(_DTYPES)}, got {inp.dtype!r}")
-    if inp.policy not in PLAN_POLICIES:
-        raise ValueError(
-            f"hsoffload plan: --policy must be one of {', '.join(PLAN_POLICIES)}, got {inp.policy!r} (what policy "
-            "'all' saves depends on every op of the model: measure it with a short run and scope.stats)"
-        )
-    if inp.keep_last_layers < 0:
-        raise ValueError(f"hsoffload plan: --keep-last-layers must be >= 0, got {inp.keep_last_layers}")
-    config = _load_config(inp.config)
-    dsize = _DTYPES[inp.dtype]
-    layers = int(config.num_hidden_layers)
-    hidden = int(config.hidden_size)
+    shape = model_shape(inp.config)
+    setup = setup_of(inp, shape)
+    device_bytes = inp.device_bytes if inp.device_bytes is not None else default_device_bytes()
+    b = setup.dtype_bytes
+    layers, hidden = shape.layers, shape.hidden
     local = inp.local_world_size or min(inp.world_size, 8)
-    total_params, layer_params = _count_parameters(config)
-    tokens = inp.micro_batch * inp.seq_len
-    per_token = hidden + (sac_elements_per_token(config) if inp.policy == "sac" else 0)
-    layer_input = tokens * per_token * dsize  # what one checkpointed layer keeps for backward
-    kept_layers = min(inp.keep_last_layers, layers)
-    offloaded_per_rank = (layers - kept_layers) * layer_input
+    tokens = setup.tokens
+    moe_flags = [pm._is_moe(shape, i) for i in range(layers)]
+    ckpt_setup = dataclasses.replace(setup, checkpointing=True, offload=None)
+    held = [pm.held_per_layer_bytes(shape, setup, m) for m in moe_flags]
+    layer_input = held[0] if setup.checkpointing else tokens * hidden * b
+    kept_layers = setup.keep_last_layers
+    offloaded_per_rank = sum(held[: layers - kept_layers])
     host_ram = inp.host_ram_bytes if inp.host_ram_bytes is not None else _mem_available()
     budget_node = int(host_ram * 0.8)  # max_host_bytes=auto: 80 % of the node's available RAM, shared by its ranks
     need_node = offloaded_per_rank * local
     host_node = min(need_node, budget_node)
     spill_node = need_node - host_node
-    # Model states per rank under FSDP: weights and gradients in dtype, Adam moments in float32, sharded W ways.
-    model_states = total_params * (2 * dsize + 8) // inp.world_size
-    device_ckpt = layers * layer_input
-    device_offload = min(layers, kept_layers + 1 + inp.prefetch_depth) * layer_input
+    model_states = (pm.weights_bytes(shape, setup) + pm.gradients_bytes(shape, setup)
+                    + pm.optimizer_state_bytes(shape, setup))
+    device_held_ckpt = sum(pm.held_per_layer_bytes(shape, ckpt_setup, m) for m in moe_flags)
+    window = min(layers, kept_layers + 1 + setup.prefetch_depth)
+    device_held_offload = window * layer_input
+
+    phase, dominant, dominant_bytes = _peak_summary(shape, setup)
+    peak_ckpt = pm.peak(shape, ckpt_setup).total
+    peak_none = pm.peak(shape, dataclasses.replace(setup, checkpointing=False, offload=None)).total
     transfer_s = layer_input / (inp.bandwidth_gbps * 1e9)
-    attention_flops = 2 * inp.micro_batch * inp.seq_len * inp.seq_len * hidden  # causal QK^T and AV
+    layer_params = shape.largest_layer_parameters()
+    attention_flops = 2 * inp.micro_batch * inp.seq_len * (inp.seq_len // setup.sequence_parallel) * hidden
     forward_s = (2 * layer_params * tokens + attention_flops) / (inp.tflops * 1e12)
     hides = transfer_s <= forward_s
-    if model_states + device_offload > inp.device_bytes:
+    fits = phase.total <= device_bytes
+    if not fits:
         verdict = "does not fit"
     elif spill_node > 0:
         verdict = "fits with spill"
     else:
         verdict = "fits"
-    return {
-        "model_type": config.model_type,
+    fixes = [] if fits else suggest(shape, setup, device_bytes)
+    terms = {
+        "weights": pm.weights_bytes(shape, setup),
+        "gradients": pm.gradients_bytes(shape, setup),
+        "optimizer_states": pm.optimizer_state_bytes(shape, setup),
+        "optimizer_update": pm.optimizer_step_bytes(shape, setup),
+        "fsdp_gathered_layers": pm.fsdp_gathered_bytes(shape, setup),
+        "held_for_backward_per_layer": held[0],
+        "layer_saved": pm.layer_saved_bytes(shape, setup, moe_flags[-1]),
+        "attention_saved": pm.attention_saved_bytes(shape, setup),
+        "mlp_saved": pm.mlp_saved_bytes(shape, setup, moe_flags[-1]),
+        "layer_backward": pm.layer_backward_bytes(shape, setup, moe_flags[-1]),
+        "attention_mask": pm.attention_mask_bytes(shape, setup),
+        "ulysses_buffers": pm.ulysses_buffer_bytes(shape, setup),
+        "logits": pm.logits_bytes(shape, setup),
+        "head_saved": pm.head_saved_bytes(shape, setup),
+        "head_forward": pm.head_forward_transient_bytes(shape, setup),
+        "head_backward": pm.head_backward_transient_bytes(shape, setup),
+        "embedding_output": pm.embedding_bytes(shape, setup),
+    }
+    result: dict[str, Any] = {
+        "model_type": shape.model_type,
         "layers": layers,
         "hidden_size": hidden,
-        "parameters": total_params,
+        "parameters": shape.parameters(),
+        "experts": shape.experts,
         "seq_len": inp.seq_len,
+        "tokens_per_rank": tokens,
         "micro_batch": inp.micro_batch,
         "world_size": inp.world_size,
         "local_world_size": local,
         "dtype": inp.dtype,
-        "policy": inp.policy,
+        "policy": setup.offload,
+        "checkpointing": setup.checkpointing,
+        "attn": setup.attn,
+        "sequence_parallel": setup.sequence_parallel,
+        "tiled_mlp": setup.tiled_mlp,
+        "chunked_loss": setup.chunked_loss,
+        "optimizer": setup.optimizer,
+        "fsdp": setup.shards > 1,
         "keep_last_layers": kept_layers,
         "layer_input_bytes": layer_input,
         "offloaded_bytes_per_rank": offloaded_per_rank,
-        "device_bytes_checkpointing": device_ckpt,
-        "device_bytes_offload": device_offload,
+        "device_bytes_checkpointing": device_held_ckpt,  # held for backward, checkpointing alone
+        "device_bytes_offload": device_held_offload,  # held for backward, with hsoffload
         "device_bytes_model_states": model_states,
-        "device_bytes": inp.device_bytes,
+        "device_bytes": device_bytes,
+        "device_peak_bytes": phase.total,
+        "device_peak_bytes_checkpointing": peak_ckpt,
+        "device_peak_bytes_no_checkpointing": peak_none,
+        "peak_phase": phase.name,
+        "peak_parts": phase.parts,
+        "dominant_term": dominant,
+        "dominant_term_bytes": dominant_bytes,
+        **{f"term_{k}_bytes": v for k, v in terms.items()},
         "host_ram_bytes": host_ram,
         "host_budget_bytes_per_node": budget_node,
         "host_bytes_per_node": host_node,
@@ -162,36 +338,74 @@ def plan(inp: PlanInput) -> dict[str, Any]:
         "forward_s_per_layer": forward_s,
         "copies_hide_behind_compute": hides,
         "verdict": verdict,
+        "fixes": fixes,
+        "advice": advice(dominant, dominant_bytes, fixes) if not fits else "",
     }
+    return result
+
+
+def advice(dominant: str, nbytes: int, fixes: list[str]) -> str:
+    """One sentence: the dominant term and what would make the run fit."""
+    if dominant == "logits":  # the logits' parts summed: the float32 loss over them included
+        need = f"the logits and their float32 loss need {nbytes / _GIB:,.1f} GiB"
+    else:
+        what = _PART_NAMES.get(dominant, dominant.replace("_", " "))
+        need = f"the {what} need{'s' if not what.endswith('s') else ''} {nbytes / _GIB:,.1f} GiB"
+    if fixes:
+        return f"{need}: {' or '.join(fixes)} would make it fit"
+    return f"{need}; no combination of the planner's knobs fits this device: more ranks, shorter sequences"
 
 
 def format_plan(p: dict[str, Any]) -> str:
     g = lambda n: f"{n / _GIB:,.2f} GiB"  # noqa: E731
     ms = lambda s: f"{s * 1e3:,.2f} ms"  # noqa: E731
-    rows = [
-        ("per rank, on the device:", None),
+    knobs = [f"attn {p['attn']}"]
+    if p["sequence_parallel"] > 1:
+        knobs.append(f"sequence parallel {p['sequence_parallel']}")
+    if p["tiled_mlp"] > 1:
+        knobs.append(f"tiled MLP {p['tiled_mlp']}")
+    if p["chunked_loss"]:
+        knobs.append("chunked loss")
+    knobs.append("FSDP" if p["fsdp"] else "unsharded")
+    knobs.append(p["optimizer"])
+    policy = f"policy {p['policy']}" if p["checkpointing"] else f"no checkpointing, policy {p['policy']}"
+    rows: list[tuple[str, Optional[str]]] = [
+        (f"per rank, device peak ({p['peak_phase']}):", None),
+    ]
+    rows += [(_PART_NAMES.get(k, k), g(v)) for k, v in p["peak_parts"].items()]
+    rows += [
+        ("peak with hsoffload", f"{g(p['device_peak_bytes'])} of {g(p['device_bytes'])}"),
+        ("peak, checkpointing only", g(p["device_peak_bytes_checkpointing"])),
+        ("peak, no checkpointing", g(p["device_peak_bytes_no_checkpointing"])),
+        ("per rank, terms:", None),
+        ("model states (weights, gradients, optimizer)", g(p["device_bytes_model_states"])),
         ("held for backward, checkpointing only", g(p["device_bytes_checkpointing"])),
         ("held for backward, with hsoffload", g(p["device_bytes_offload"])),
-        ("model states (FSDP-sharded, Adam)", f"{g(p['device_bytes_model_states'])} of {g(p['device_bytes'])}"),
+        ("one layer's saved tensors (recompute)", g(p["term_layer_saved_bytes"])),
+        ("  of which attention", g(p["term_attention_saved_bytes"])),
+        ("  of which MLP", g(p["term_mlp_saved_bytes"])),
+        ("one layer's backward, at its peak", g(p["term_layer_backward_bytes"])),
+        ("logits (in the dtype)", g(p["term_logits_bytes"])),
+        ("head: saved / forward / backward in flight",
+         f"{g(p['term_head_saved_bytes'])} / {g(p['term_head_forward_bytes'])} / {g(p['term_head_backward_bytes'])}"),
         ("per node, in host memory:", None),
         ("offloaded, all ranks", g(p["offloaded_bytes_per_rank"] * p["local_world_size"])),
         (f"host budget (80 % of {g(p['host_ram_bytes'])})", g(p["host_budget_bytes_per_node"])),
         ("in host memory", g(p["host_bytes_per_node"])),
         ("to spill_dir", g(p["spill_bytes_per_node"])),
         ("per layer:", None),
-        (
-            f"copy of its {'input' if p['policy'] == 'hidden_states' else 'input and SAC outputs'} "
-            f"({g(p['layer_input_bytes'])})",
-            ms(p["transfer_s_per_layer"]),
-        ),
+        (f"copy of what it holds for backward ({g(p['layer_input_bytes'])})", ms(p["transfer_s_per_layer"])),
         ("forward compute (estimate)", ms(p["forward_s_per_layer"])),
     ]
     width = max(len(label) for label, value in rows if value is not None) + 4
     lines = [
         f"hsoffload plan: {p['model_type']}, {p['layers']} layers, hidden {p['hidden_size']}, "
-        f"{p['parameters'] / 1e9:.2f} B parameters; {p['micro_batch']} x {p['seq_len']:,} tokens per rank, "
-        f"{p['dtype']}, {p['world_size']} ranks ({p['local_world_size']} per node); policy {p['policy']}"
+        f"{p['parameters'] / 1e9:.2f} B parameters"
+        + (f" ({p['experts']} experts)" if p["experts"] else "")
+        + f"; {p['micro_batch']} x {p['seq_len']:,} tokens ({p['tokens_per_rank']:,} per rank), "
+        f"{p['dtype']}, {p['world_size']} ranks ({p['local_world_size']} per node); {policy}"
         + (f", keep_last_layers {p['keep_last_layers']}" if p["keep_last_layers"] else "")
+        + f"; {', '.join(knobs)}"
     ]
     lines += [label if value is None else f"  {label:<{width}}{value}" for label, value in rows]
     hide = (
@@ -199,6 +413,111 @@ def format_plan(p: dict[str, Any]) -> str:
         if p["copies_hide_behind_compute"]
         else f"the copies take {p['transfer_s_per_layer'] / p['forward_s_per_layer']:.1f}x the compute: expect waits"
     )
-    extra = " (set spill_dir)" if p["verdict"] == "fits with spill" else ""
-    lines.append(f"verdict: {p['verdict']}{extra}; {hide}")
+    if p["verdict"] == "does not fit":
+        lines.append(f"verdict: does not fit; {p['advice']}")
+    else:
+        extra = " (set spill_dir)" if p["verdict"] == "fits with spill" else ""
+        lines.append(f"verdict: {p['verdict']}{extra}; {hide}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --max-seq
+
+
+def _longest(shape: pm.ModelShape, s: pm.Setup, device_bytes: int, step: int, auto_tiles: bool,
+             limit: int = 1 << 26) -> int:
+    """The longest multiple of `step` (<= limit) whose peak fits, 0 if none: doubling, then bisection (the peak
+    grows with the length; where it steps, as the chunked loss's chunk doubling at powers of two, the length found
+    fits but a slightly longer one past the step might too). `auto_tiles`: the MLP tiled in hidden-size chunks at
+    each length (ALST's choice)."""
+
+    def ok(k: int) -> bool:
+        seq = k * step
+        try:
+            candidate = dataclasses.replace(s, seq_len=seq,
+                                            tiled_mlp=_auto_tiles(shape, s, seq) if auto_tiles else s.tiled_mlp)
+            candidate.check(shape)
+        except PlanError:
+            return False
+        return pm.peak(shape, candidate).total <= device_bytes
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi * step <= limit and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit // step + 1)
+    while hi - lo > 1:  # ok(lo), not ok(hi)
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
+def max_seq(inp: PlanInput, step: int = 1024) -> dict[str, Any]:
+    """The longest sequence (a multiple of `step`, and of the parallel degree) that fits the device, for checkpointing
+    alone and hsoffload, with each knob combination that matters; rows as dicts."""
+    shape = model_shape(inp.config)
+    base = setup_of(dataclasses.replace(inp, seq_len=math.lcm(step, inp.sequence_parallel)), shape)
+    device_bytes = inp.device_bytes if inp.device_bytes is not None else default_device_bytes()
+    sp = max([1] + [d for d in (2, 4, 8, 16, 32, 64) if d <= inp.world_size and shape.heads % d == 0])
+    tiles = 0  # hidden-size chunks at each length (ALST's choice)
+    combos: list[tuple[str, dict[str, Any]]] = [("as given", {})]
+    combos.append(("+ chunked loss", {"chunked_loss": True}))
+    combos.append(("+ chunked loss + tiled MLP", {"chunked_loss": True, "tiled_mlp": tiles}))
+    if sp > 1:
+        combos.append((f"+ chunked loss + tiled MLP + sequence parallel {sp}",
+                       {"chunked_loss": True, "tiled_mlp": tiles, "sequence_parallel": sp}))
+    rows = []
+    for label, change in combos:
+        row: dict[str, Any] = {"knobs": label}
+        for column, over in (("checkpointing", {"checkpointing": True, "offload": None}),
+                             ("hsoffload", {"checkpointing": True, "offload": base.offload if base.checkpointing
+                                            else "hidden_states"})):
+            s = dataclasses.replace(base, **{**change, **over})
+            unit = math.lcm(step, s.sequence_parallel)
+            longest = _longest(shape, s, device_bytes, unit, auto_tiles=change.get("tiled_mlp") == 0)
+            row[column] = longest
+            if longest:
+                at = dataclasses.replace(s, seq_len=longest, tiled_mlp=_auto_tiles(shape, s, longest)
+                                         if change.get("tiled_mlp") == 0 else s.tiled_mlp)
+                phase, dominant, _ = _peak_summary(shape, at)
+                row[f"{column}_peak_bytes"] = phase.total
+                row[f"{column}_dominant_term"] = dominant
+        rows.append(row)
+    states = (pm.weights_bytes(shape, base) + pm.gradients_bytes(shape, base) + pm.optimizer_state_bytes(shape, base))
+    return {"model_type": shape.model_type, "device_bytes": device_bytes, "world_size": inp.world_size,
+            "model_states_bytes": states,
+            "micro_batch": inp.micro_batch, "dtype": inp.dtype, "attn": base.attn, "policy": base.offload,
+            "step": step, "rows": rows}
+
+
+def _auto_tiles(shape: pm.ModelShape, s: pm.Setup, seq: int) -> int:
+    tokens = s.micro_batch * seq // s.sequence_parallel
+    return max(1, math.ceil(tokens / shape.hidden))
+
+
+def format_max_seq(r: dict[str, Any]) -> str:
+    def cell(row: dict[str, Any], col: str) -> str:
+        n = row[col]
+        if not n:
+            return "none fits"
+        return f"{n:,} ({row[f'{col}_peak_bytes'] / _GIB:,.1f} GiB, {row[f'{col}_dominant_term']})"
+
+    header = (f"hsoffload plan --max-seq: {r['model_type']}, {r['dtype']}, micro-batch {r['micro_batch']}, "
+              f"{r['world_size']} ranks, {r['device_bytes'] / _GIB:,.0f} GiB per device, attn {r['attn']}; longest "
+              f"sequence that fits (multiples of {r['step']:,}), with the peak and its dominant term")
+    width = max(len(row["knobs"]) for row in r["rows"]) + 2
+    col = max([len("checkpointing only")] + [len(cell(row, c)) for row in r["rows"]
+                                            for c in ("checkpointing", "hsoffload")]) + 2
+    lines = [header, f"  {'knobs':<{width}}{'checkpointing only':<{col}}hsoffload ({r['policy']})"]
+    for row in r["rows"]:
+        lines.append(f"  {row['knobs']:<{width}}{cell(row, 'checkpointing'):<{col}}{cell(row, 'hsoffload')}")
+    if not any(row["hsoffload"] for row in r["rows"]):
+        lines.append(f"  the model states alone (weights, gradients, optimizer states: "
+                     f"{r['model_states_bytes'] / _GIB:,.1f} GiB per rank) leave no room: shard them over more ranks "
+                     "(--world-size) or pick a lighter optimizer")
     return "\n".join(lines)

@@ -477,7 +477,8 @@ void op_sleep(int64_t us) {
 std::vector<int64_t> op_stats() {
   const Counters c = counters();
   return {c.async_copies,  c.sync_copies,    c.cross_stream_waits,    c.device_allocs, c.device_reuses,
-          c.deferred_frees, c.pinned_deferred_frees, c.host_syncs, c.job_errors};
+          c.deferred_frees, c.pinned_deferred_frees, c.host_syncs, c.job_errors, c.allocated_bytes,
+          c.peak_allocated_bytes};
 }
 
 }  // namespace
@@ -496,6 +497,12 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", TORCH_FN(hsemu::emu_set_tensor));
   m.impl("resize_", TORCH_FN(hsemu::emu_resize_));
   m.impl("record_stream", TORCH_FN(hsemu::emu_record_stream));
+  // Note on silu_backward / mish_backward: they are the only aten ops with both a CPU kernel and a
+  // CompositeImplicitAutograd decomposition, which a backend without a kernel of its own gets (SiLU's backward
+  // then holds six tokens x intermediate temporaries at once). CUDA and CPU run one fused kernel: routing them to
+  // the CPU kernel keeps this device's allocations those of a GPU (tests/emu/test_device_peak.py measures them).
+  m.impl("silu_backward", torch::CppFunction::makeFromBoxedFunction<&hsemu::compute_fallback>());
+  m.impl("mish_backward", torch::CppFunction::makeFromBoxedFunction<&hsemu::compute_fallback>());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
@@ -518,8 +525,10 @@ TORCH_LIBRARY(hsemu, m) {
   // Waits until every stream is idle.
   m.def("synchronize() -> ()", [] { hsemu::drain_all(); });
   // async_copies, sync_copies, cross_stream_waits, device_allocs, device_reuses, deferred_frees,
-  // pinned_deferred_frees, host_syncs, job_errors (cumulative).
+  // pinned_deferred_frees, host_syncs, job_errors (cumulative); allocated_bytes, peak_allocated_bytes (gauges).
   m.def("stats() -> int[]", &hsemu::op_stats);
+  // Sets peak_allocated_bytes to the current allocated_bytes.
+  m.def("reset_peak() -> ()", [] { hsemu::reset_peak_allocated(); });
   // Frees idle pinned blocks whose copies have completed.
   m.def("empty_pinned_cache() -> ()", [] { hsemu::empty_pinned_cache(); });
 }

@@ -141,6 +141,7 @@ std::atomic<int64_t>* delays() {
 struct Block {
   void* ptr = nullptr;
   size_t size = 0;
+  size_t handed_out = 0;                 // the rounded request it serves now (<= size when a larger block is reused)
   c10::StreamId stream = 0;              // allocation stream: owns the block
   std::vector<c10::StreamId> uses;       // other streams recorded by record_stream
 };
@@ -177,10 +178,12 @@ class DeviceAllocator final : public c10::Allocator {
         block.size = size;
       }
       block.stream = stream;
+      block.handed_out = size;
       block.uses.clear();
       live_.emplace(block.ptr, block);
     }
     count(&Counters::device_allocs);
+    count_allocated(static_cast<int64_t>(size));
     if (reused) {
       count(&Counters::device_reuses);
     }
@@ -199,6 +202,7 @@ class DeviceAllocator final : public c10::Allocator {
     TORCH_INTERNAL_ASSERT(it != live_.end(), "hsemu: freeing a block the device allocator does not own");
     Block block = std::move(it->second);
     live_.erase(it);
+    count_allocated(-static_cast<int64_t>(block.handed_out));
     Pending pending;
     for (c10::StreamId use : block.uses) {
       const bool seen = std::any_of(pending.waits.begin(), pending.waits.end(),
@@ -442,6 +446,17 @@ Counters counters() {
 void count(int64_t Counters::*field, int64_t n) {
   std::lock_guard<std::mutex> lock(counters_mutex());
   counters_locked().*field += n;
+}
+void count_allocated(int64_t delta) {
+  std::lock_guard<std::mutex> lock(counters_mutex());
+  Counters& c = counters_locked();
+  c.allocated_bytes += delta;
+  c.peak_allocated_bytes = std::max(c.peak_allocated_bytes, c.allocated_bytes);
+}
+void reset_peak_allocated() {
+  std::lock_guard<std::mutex> lock(counters_mutex());
+  Counters& c = counters_locked();
+  c.peak_allocated_bytes = c.allocated_bytes;
 }
 
 }  // namespace hsemu

@@ -105,8 +105,18 @@ struct Counters {
   int64_t pinned_deferred_frees = 0;  // pinned frees held back by pending copies
   int64_t host_syncs = 0;           // stream, event or device synchronisations (the host waited)
   int64_t job_errors = 0;           // jobs that threw (reported on stderr)
+  // Gauges, not cumulative: bytes handed out in live device blocks (each request rounded up to 512 bytes, as
+  // torch.cuda.memory_allocated counts; a reused larger block counts as the request, as CUDA's splitting makes
+  // it), and their high-water mark since the last reset_peak_allocated().
+  // A block counts from allocate() to free(), even while its reuse is held back by record_stream uses.
+  int64_t allocated_bytes = 0;
+  int64_t peak_allocated_bytes = 0;
 };
 Counters counters();
 void count(int64_t Counters::*field, int64_t n = 1);
+// Adds `delta` (negative on free) to allocated_bytes and raises peak_allocated_bytes to it.
+void count_allocated(int64_t delta);
+// Sets peak_allocated_bytes to the current allocated_bytes (torch.cuda.reset_peak_memory_stats).
+void reset_peak_allocated();
 
 }  // namespace hsemu

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "hsemu"
 _STAT_FIELDS = (
     "async_copies", "sync_copies", "cross_stream_waits", "device_allocs", "device_reuses", "deferred_frees",
-    "pinned_deferred_frees", "host_syncs", "job_errors",
+    "pinned_deferred_frees", "host_syncs", "job_errors", "allocated_bytes", "peak_allocated_bytes",
 )
 _loaded = False  # process-wide: a PrivateUse1 backend can be registered once
 
@@ -130,4 +130,12 @@ def new_stream() -> int:
 
 
 def stats() -> dict[str, int]:
+    """Cumulative counters, and two gauges of the device allocator: ``allocated_bytes`` (live blocks, rounded to
+    512 bytes as CUDA's allocator counts them) and ``peak_allocated_bytes`` (their high-water mark since
+    `reset_peak`)."""
     return dict(zip(_STAT_FIELDS, (int(v) for v in torch.ops.hsemu.stats())))
+
+
+def reset_peak() -> None:
+    """Starts a new high-water mark at the bytes allocated now (like torch.cuda.reset_peak_memory_stats)."""
+    torch.ops.hsemu.reset_peak()

@@ -1,0 +1,623 @@
+"""The device-peak model of `hsoffload plan`: what one rank's device allocator holds at its peak during one training
+step (forward, backward, optimizer step), from a transformers config alone.
+
+The peak is the maximum over the step's phases, not a sum of maxima, so it can be compared with what an allocator
+reports (`torch.cuda.max_memory_allocated()`, or the emulated device's `peak_allocated_bytes` in tests/emu):
+
+- forward of decoder layer i: model states, what backward holds for layers < i, layer i's forward working set;
+- head forward: everything backward holds, the final norm, the logits and the loss (float32);
+- head backward: the same, the loss's and the logits' gradients, the head's parameter gradients;
+- backward of decoder layer i (L-1 down to 0): model states with the gradients produced so far, what backward still
+  holds for layers <= i, layer i's recompute (everything it saves) and its backward's gradients in flight;
+- optimizer step: weights, gradients, optimizer states and the update's temporaries.
+
+Every term is one function below (bytes per rank). The formulas follow how transformers (5.x) and torch compute a
+Llama-style decoder layer; `tests/emu/test_device_peak.py` checks the predicted peak against a real allocator within
+10 % on tiny Llama, Qwen3 and Qwen3-MoE models. What they assume:
+
+- Steady state: the optimizer's states exist, gradients were freed by ``zero_grad(set_to_none=True)``.
+- Weights and gradients in the training dtype; AdamW keeps two moments per parameter in float32 (torch's AdamW
+  keeps them in the parameter's dtype: a float32 model is exact, bf16 weights without float32 masters hold half);
+  its foreach update allocates one moment-sized temporary.
+- RMSNorm upcasts to float32 (saves a float32 copy of its input when the dtype is narrower).
+- Attention ``sdpa``/``flash``: fused kernels, memory linear in the sequence (q, k, v, output, logsumexp saved);
+  ``math``: SDPA's fallback on devices without fused kernels (the S x S probabilities saved per head, two more in
+  flight); ``eager``: transformers' eager attention (float32 softmax, the 4-D additive mask alive through the step).
+- The loss: transformers' ForCausalLMLoss (logits upcast to float32, log_softmax saved), or with ``chunked_loss`` a
+  fused linear cross-entropy in chunks of Liger's size (logits never materialised, input gradient made in forward).
+- Sequence parallelism is Ulysses-style: tokens per rank = micro_batch * seq / D; attention sees the whole sequence
+  for heads / D heads, plus one all-to-all buffer of q, k, v and the output.
+- ``tiled_mlp`` N: the MLP runs in N sequence chunks and saves only its input (ALST's TiledMLP), recomputing each
+  chunk in backward.
+- FSDP (``fsdp`` and world_size > 1) shards weights, gradients and optimizer states; the layer being computed and
+  one prefetched are gathered whole, and one layer's unsharded gradients exist before their reduce-scatter.
+- Offload (policy ``hidden_states``/``sac``): what backward holds stays on the device for the layer in backward,
+  ``prefetch_depth`` restored ahead, one being copied in forward, and the last ``keep_last_layers``. Policy ``all``
+  (no checkpointing): every layer's saved tensors, with the same window; the head's stay on the device.
+
+Not counted: the CUDA context and allocator fragmentation (reserved - allocated: budget ~5-10 % more), NCCL
+buffers, framework workspaces (cuBLAS, flash attention's), the input ids and labels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+F32 = 4
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash", "math", "eager")
+# Optimizer state per parameter: bytes, or None for "two moments in the parameter's dtype" (torch.optim.AdamW on
+# bf16 parameters without float32 master weights).
+OPTIMIZERS: dict[str, Optional[int]] = {"adamw": 8, "adam": 8, "adamw_param_dtype": None, "adamw8bit": 2, "sgd": 0,
+                                        "sgd_momentum": 4}
+OFFLOAD_POLICIES = ("hidden_states", "sac", "all")
+
+
+class PlanError(ValueError):
+    """A config or setting the planner cannot model; the message is one line naming what and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a decoder-only transformer that memory depends on, read from its config.json."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    qk_norm: bool = False  # RMSNorm on q and k (Qwen3, Gemma3: per head; OLMo2: over all heads)
+    qk_norm_params: int = 0
+    norms_per_layer: int = 2  # Gemma2/3: four (pre and post of attention and MLP)
+    attention_bias: bool = False
+    experts: int = 0  # routed experts per MoE layer; 0: a dense model
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    moe_layers: int = 0
+
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
+
+    def attention_parameters(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        bias = (q + 2 * kv) if self.attention_bias else 0
+        return self.hidden * (q + 2 * kv) + q * self.hidden + bias + self.qk_norm_params
+
+    def dense_mlp_parameters(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
+    def moe_parameters(self) -> int:
+        """Router, routed experts and shared expert (with its gate) of one MoE layer."""
+        shared_inter = self.shared_expert_intermediate
+        shared = 3 * self.hidden * shared_inter + self.hidden if shared_inter else 0
+        return self.hidden * self.experts + self.experts * 3 * self.hidden * self.expert_intermediate + shared
+
+    def layer_parameters(self, moe: bool) -> int:
+        mlp = self.moe_parameters() if moe else self.dense_mlp_parameters()
+        return self.attention_parameters() + self.norms_per_layer * self.hidden + mlp
+
+    def parameters(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return (embeddings + self.hidden + self.dense_layers * self.layer_parameters(False)
+                + self.moe_layers * self.layer_parameters(True))
+
+    def largest_layer_parameters(self) -> int:
+        return max(self.layer_parameters(True) if self.moe_layers else 0,
+                   self.layer_parameters(False) if self.dense_layers else 0)
+
+
+def _int(cfg: dict[str, Any], *names: str, default: Optional[int] = None) -> Optional[int]:
+    for name in names:
+        value = cfg.get(name)
+        if value is not None:
+            return int(value)
+    return default
+
+
+def shape_from_config(data: dict[str, Any], source: str = "config") -> ModelShape:
+    """The ModelShape of a transformers config.json's dict; multimodal configs are read through `text_config`.
+    Raises PlanError (one line) for what cannot be a decoder-only causal LM or is not modelled."""
+    model_type = data.get("model_type")
+    if not model_type:
+        raise PlanError(f"hsoffload plan: {source} has no model_type; it must be a transformers config.json")
+    cfg = data
+    for key in ("text_config", "language_config", "llm_config"):
+        if isinstance(data.get(key), dict):
+            cfg = dict(data[key])
+            break
+    kind = f"model_type {model_type!r}" + (f" (text part {cfg.get('model_type')!r})" if cfg is not data else "")
+    if cfg.get("kv_lora_rank") or cfg.get("q_lora_rank"):
+        raise PlanError(f"hsoffload plan: {source}: {kind} uses multi-head latent attention (kv_lora_rank), which the "
+                        "planner does not model")
+    hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
+    layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _int(cfg, "num_attention_heads", "n_head")
+    vocab = _int(cfg, "vocab_size", default=_int(data, "vocab_size"))
+    missing = [n for n, v in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
+                              ("vocab_size", vocab)) if not v]
+    if missing:
+        raise PlanError(f"hsoffload plan: {source}: {kind} is not a decoder-only language model the planner knows "
+                        f"(no {', '.join(missing)})")
+    assert hidden and layers and heads and vocab
+    kv_heads = _int(cfg, "num_key_value_heads", "num_kv_heads", default=heads) or heads
+    head_dim = _int(cfg, "head_dim", default=hidden // heads) or hidden // heads
+    for name, value in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
+                        ("vocab_size", vocab), ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
+        if value < 1:
+            raise PlanError(f"hsoffload plan: {source}: {name} must be >= 1, got {value}")
+    if heads % kv_heads:
+        raise PlanError(f"hsoffload plan: {source}: num_attention_heads {heads} is not a multiple of "
+                        f"num_key_value_heads {kv_heads}")
+    experts = _int(cfg, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", default=0) or 0
+    intermediate = _int(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden) or 4 * hidden
+    moe_layers = 0
+    per_token = expert_inter = shared_inter = 0
+    if experts:
+        per_token = _int(cfg, "num_experts_per_tok", "moe_topk", "top_k", default=0) or 0
+        if per_token <= 0:
+            raise PlanError(f"hsoffload plan: {source}: {kind} has {experts} experts but no num_experts_per_tok")
+        expert_inter = _int(cfg, "moe_intermediate_size", default=intermediate) or intermediate
+        shared_inter = _int(cfg, "shared_expert_intermediate_size", default=0) or 0
+        if not shared_inter and cfg.get("n_shared_experts"):
+            shared_inter = int(cfg["n_shared_experts"]) * expert_inter
+        dense = set(cfg.get("mlp_only_layers") or [])
+        step = _int(cfg, "decoder_sparse_step", default=1) or 1
+        first_dense = _int(cfg, "first_k_dense_replace", default=0) or 0
+        moe_layers = sum(1 for i in range(layers)
+                         if i not in dense and i >= first_dense and (i + 1) % step == 0)
+    tied = bool(cfg.get("tie_word_embeddings", data.get("tie_word_embeddings", True)))
+    text_type = str(cfg.get("model_type", model_type))
+    qk_norm = text_type.startswith(("qwen3", "olmo2", "olmo3", "gemma3"))
+    qk_norm_params = 0
+    if qk_norm:
+        per_head = not text_type.startswith(("olmo2", "olmo3"))
+        qk_norm_params = 2 * head_dim if per_head else (heads + kv_heads) * head_dim
+    norms = 4 if text_type.startswith(("gemma2", "gemma3")) else 2
+    label = str(model_type) if cfg is data else f"{model_type} (text model {text_type}; other towers not counted)"
+    return ModelShape(
+        model_type=label, layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, vocab=vocab, tied_embeddings=tied, qk_norm=qk_norm,
+        qk_norm_params=qk_norm_params, norms_per_layer=norms,
+        attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe"))),
+        experts=experts, experts_per_token=per_token, expert_intermediate=expert_inter,
+        shared_expert_intermediate=shared_inter, moe_layers=moe_layers,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """How the step runs on each rank (validated by `check`)."""
+
+    seq_len: int
+    micro_batch: int = 1
+    dtype_bytes: int = 2
+    world_size: int = 1
+    fsdp: bool = True  # shard weights, gradients and optimizer states over world_size
+    sequence_parallel: int = 1
+    tiled_mlp: int = 1
+    chunked_loss: bool = False
+    attn: str = "sdpa"
+    checkpointing: bool = True
+    offload: Optional[str] = "hidden_states"  # None: no hsoffload; else a policy of OFFLOAD_POLICIES
+    keep_last_layers: int = 0
+    prefetch_depth: int = 1
+    optimizer: str = "adamw"
+    selective_checkpointing: bool = False  # a SAC policy keeps the projections' outputs (policy "sac" offloads them)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per rank after sequence parallelism."""
+        return self.micro_batch * self.seq_len // self.sequence_parallel
+
+    @property
+    def shards(self) -> int:
+        return self.world_size if self.fsdp and self.world_size > 1 else 1
+
+    def check(self, shape: ModelShape) -> None:
+        for name in ("seq_len", "micro_batch", "world_size", "sequence_parallel", "tiled_mlp"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"hsoffload plan: --{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len % self.sequence_parallel:
+            raise PlanError(f"hsoffload plan: --seq-len {self.seq_len} is not divisible by --sequence-parallel "
+                            f"{self.sequence_parallel}")
+        if self.sequence_parallel > self.world_size:
+            raise PlanError(f"hsoffload plan: --sequence-parallel {self.sequence_parallel} needs at least that many "
+                            f"ranks, got --world-size {self.world_size}")
+        if self.sequence_parallel > 1 and shape.heads % self.sequence_parallel:
+            raise PlanError(f"hsoffload plan: Ulysses sequence parallelism splits the {shape.heads} attention heads; "
+                            f"--sequence-parallel {self.sequence_parallel} does not divide them")
+        if self.attn not in ATTENTION_IMPLEMENTATIONS:
+            raise PlanError(f"hsoffload plan: --attn must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got "
+                            f"{self.attn!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise PlanError(f"hsoffload plan: --optimizer must be one of {', '.join(OPTIMIZERS)}, got "
+                            f"{self.optimizer!r}")
+        if self.offload is not None and self.offload not in OFFLOAD_POLICIES:
+            raise PlanError(f"hsoffload plan: --policy must be one of {', '.join(OFFLOAD_POLICIES)}, got "
+                            f"{self.offload!r}")
+        if self.offload in ("hidden_states", "sac") and not self.checkpointing:
+            raise PlanError(f"hsoffload plan: policy {self.offload!r} offloads what checkpointing keeps; with "
+                            "--no-checkpointing use --policy all")
+        if self.keep_last_layers < 0 or self.prefetch_depth < 0:
+            raise PlanError("hsoffload plan: --keep-last-layers and --prefetch-depth must be >= 0")
+        if self.tiled_mlp > self.tokens:
+            raise PlanError(f"hsoffload plan: --tiled-mlp {self.tiled_mlp} exceeds the {self.tokens} tokens per rank")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model states
+
+
+def weights_bytes(shape: ModelShape, s: Setup) -> int:
+    """The parameters, in the training dtype, this rank's shard."""
+    return shape.parameters() * s.dtype_bytes // s.shards
+
+
+def gradients_bytes(shape: ModelShape, s: Setup) -> int:
+    """Every parameter's gradient (this rank's shard), as at the optimizer step."""
+    return shape.parameters() * s.dtype_bytes // s.shards
+
+
+def optimizer_state_bytes(shape: ModelShape, s: Setup) -> int:
+    """Optimizer states (AdamW: two float32 moments per parameter), this rank's shard."""
+    return shape.parameters() * _state_bytes_per_parameter(s) // s.shards
+
+
+def _state_bytes_per_parameter(s: Setup) -> int:
+    per = OPTIMIZERS[s.optimizer]
+    return 2 * s.dtype_bytes if per is None else per
+
+
+def optimizer_step_bytes(shape: ModelShape, s: Setup) -> int:
+    """Temporaries of the update: torch's foreach AdamW allocates one moment-sized tensor list (sqrt(v) + eps)."""
+    return shape.parameters() * (_state_bytes_per_parameter(s) // 2) // s.shards
+
+
+def fsdp_gathered_bytes(shape: ModelShape, s: Setup) -> int:
+    """Under FSDP: the layer being computed and one prefetched, gathered whole (weights in the training dtype)."""
+    if s.shards == 1:
+        return 0
+    return 2 * shape.largest_layer_parameters() * s.dtype_bytes
+
+
+def fsdp_unsharded_gradient_bytes(shape: ModelShape, s: Setup) -> int:
+    """Under FSDP: one layer's full gradients before their reduce-scatter."""
+    return shape.largest_layer_parameters() * s.dtype_bytes if s.shards > 1 else 0
+
+
+def layer_gradient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    return shape.layer_parameters(moe) * s.dtype_bytes // s.shards
+
+
+def head_gradient_bytes(shape: ModelShape, s: Setup) -> int:
+    """Gradients of the output head and final norm (made in head backward; the embedding's come last)."""
+    return (shape.vocab * shape.hidden + shape.hidden) * s.dtype_bytes // s.shards
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activations of one decoder layer (T tokens on this rank)
+
+
+def hidden_bytes(shape: ModelShape, s: Setup) -> int:
+    """One hidden-state tensor: tokens x hidden in the dtype (a checkpointed layer's input; a gradient in flight)."""
+    return s.tokens * shape.hidden * s.dtype_bytes
+
+
+def norm_saved_bytes(width: int, tokens: int, b: int, with_input: bool = False) -> int:
+    """What one RMSNorm over `width` saves (transformers': upcast, normalise, cast back, scale): the normalised tensor
+    in the dtype and the output, and when the dtype is narrower the float32 copy of its input (the float32
+    normalised tensor is not saved: its cast back saves nothing); `with_input`: also its input when that is the
+    float32 copy itself (held by no one else)."""
+    saved = tokens * width * (2 * b + (F32 if b < F32 else 0))
+    return saved + (tokens * width * b if with_input and b >= F32 else 0)
+
+
+def sac_elements_per_token(shape: ModelShape) -> int:
+    """Elements per token that policy "sac" keeping every projection's matmul output saves in one layer."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    mlp = 2 * shape.intermediate if not shape.moe_layers else 2 * shape.expert_intermediate * shape.experts_per_token
+    return q + 2 * kv + shape.hidden + mlp + shape.hidden
+
+
+def _local_heads(shape: ModelShape, s: Setup) -> int:
+    return shape.heads // s.sequence_parallel
+
+
+def attention_quadratic_bytes(shape: ModelShape, s: Setup) -> int:
+    """One S x S score tensor per head on this rank (math/eager attention): in the dtype for eager, in float32 for
+    math (SDPA's math fallback upcasts half and bfloat16 inputs unless allow_fp16_bf16_reduction_math_sdp)."""
+    b = F32 if s.attn == "math" else s.dtype_bytes
+    return s.micro_batch * _local_heads(shape, s) * s.seq_len * s.seq_len * b
+
+
+def attention_mask_bytes(shape: ModelShape, s: Setup) -> int:
+    """The additive causal mask: eager attention's 4-D mask (batch x 1 x S x S, alive through the step under
+    checkpointing), math SDPA's float32 S x S one built per call (plus its boolean source)."""
+    if s.attn == "eager":
+        return s.micro_batch * s.seq_len * s.seq_len * s.dtype_bytes
+    if s.attn == "math":
+        return s.seq_len * s.seq_len * (F32 + 1)
+    return 0
+
+
+def attention_saved_bytes(shape: ModelShape, s: Setup) -> int:
+    """What the attention block saves for backward: q/k/v after RoPE (and their QK-norm tensors), the kernel's saved
+    tensors, o_proj's input; math/eager also the softmax probabilities (S x S per head)."""
+    t, b = s.tokens, s.dtype_bytes
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    qk_norm = norm_saved_bytes(q + kv, t, b, with_input=True) if shape.qk_norm else 0
+    if s.attn in ("sdpa", "flash"):
+        # q, k, v (GQA's k and v not repeated), the output (tokens-major already: making it contiguous for o_proj
+        # copies nothing, so o_proj saves the same tensor), logsumexp
+        return qk_norm + t * (q + 2 * kv + q) * b + t * shape.heads * F32
+    if s.attn == "math":  # scaled q and k, v repeated to every head, probabilities: float32
+        kernel = t * 3 * q * F32 + attention_quadratic_bytes(shape, s)
+    else:  # eager: k and v repeated to every head; float32 softmax, cast back to the dtype when narrower
+        quad = attention_quadratic_bytes(shape, s)
+        kernel = t * 3 * q * b + quad * F32 // b + (quad if b < F32 else 0)
+    return qk_norm + kernel + t * q * b  # + o_proj's input (the head-major output made contiguous)
+
+
+def attention_forward_transient_bytes(shape: ModelShape, s: Setup) -> int:
+    """Beyond what attention saves, the most its forward has in flight: math/eager, one more score tensor per head
+    (the masked scores beside the probabilities; eager in a narrower dtype also their float32 copy for the
+    softmax); sdpa/flash, the kernel's output before it is made contiguous."""
+    if s.attn in ("sdpa", "flash"):
+        return s.tokens * shape.heads * shape.head_dim * s.dtype_bytes
+    quad = attention_quadratic_bytes(shape, s)
+    if s.attn == "eager" and s.dtype_bytes < F32:
+        return quad + quad * F32 // s.dtype_bytes
+    return quad
+
+
+def attention_backward_transient_bytes(shape: ModelShape, s: Setup) -> int:
+    """Gradients in flight in attention's backward: math/eager, the probabilities' gradient and the scores'
+    (S x S per head each, float32 in eager's softmax), beside the saved float32 probabilities (eager's copy in the
+    dtype is released by then); sdpa/flash, dq, dk, dv and the output's gradient."""
+    t, b = s.tokens, s.dtype_bytes
+    if s.attn in ("sdpa", "flash"):
+        return t * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim * b
+    quad = attention_quadratic_bytes(shape, s)
+    if s.attn == "math":
+        return 2 * quad
+    return 2 * quad * F32 // b - (quad if b < F32 else 0)
+
+
+def ulysses_buffer_bytes(shape: ModelShape, s: Setup) -> int:
+    """Ulysses sequence parallelism: one all-to-all buffer of q, k, v and the output, on top of their tensors."""
+    if s.sequence_parallel == 1:
+        return 0
+    return s.tokens * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim * s.dtype_bytes
+
+
+def mlp_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    """What the MLP saves for backward. Dense gated MLP: gate, act(gate), up, their product (4 x intermediate per
+    token). MoE (transformers' expert loop): per routed token the gathered input, gate_up, act, product and the
+    expert's output, plus the router's float32 probabilities and a shared expert. With tiled_mlp N only the
+    input is saved (each chunk is recomputed in backward)."""
+    t, b = s.tokens, s.dtype_bytes
+    if s.tiled_mlp > 1:
+        return t * shape.hidden * b
+    if not moe:
+        return 4 * t * shape.intermediate * b
+    routed = t * shape.experts_per_token * (2 * shape.hidden + 4 * shape.expert_intermediate) * b
+    router = t * shape.experts * (b + F32)
+    shared = 4 * t * shape.shared_expert_intermediate * b
+    return routed + router + shared
+
+
+def mlp_chunk_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    """With tiled_mlp: one chunk's recompute (what the untiled MLP would save, for tokens / N)."""
+    untiled = dataclasses.replace(s, tiled_mlp=1)
+    return mlp_saved_bytes(shape, untiled, moe) // s.tiled_mlp if s.tiled_mlp > 1 else 0
+
+
+def mlp_backward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    """Gradients in flight in the MLP's backward: the product's, then act's and up's (two intermediates more than
+    it saves, per chunk when tiled); MoE: also one expert's weight gradient made full-size by indexing the stacked
+    expert weights (select backward) before it is accumulated."""
+    t, b = s.tokens, s.dtype_bytes
+    inter = shape.intermediate if not moe else shape.expert_intermediate
+    routed_tokens = t if not moe else t * shape.experts_per_token // max(1, shape.experts)
+    if s.tiled_mlp > 1:
+        extra = 2 * t * inter * b // s.tiled_mlp + mlp_chunk_bytes(shape, s, moe)
+    else:
+        extra = 2 * routed_tokens * inter * b
+    if moe:
+        extra += 3 * shape.hidden * shape.expert_intermediate * shape.experts * b
+    return extra
+
+
+def layer_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    """Everything one decoder layer saves for backward, its input excluded: what it holds without checkpointing,
+    and what its recompute materialises with it."""
+    t, b = s.tokens, s.dtype_bytes
+    norms = shape.norms_per_layer * norm_saved_bytes(shape.hidden, t, b)
+    mid_residual = t * shape.hidden * b  # the attention block's residual sum, the second norm's input
+    return norms + mid_residual + attention_saved_bytes(shape, s) + mlp_saved_bytes(shape, s, moe)
+
+
+def layer_backward_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    """The most one layer's backward (after its recompute) has on the device, its input excluded. Autograd frees each
+    node's saved tensors once it ran, so the MLP's are gone when attention's backward runs: the larger of
+    (everything saved + the MLP's gradients in flight) and (first norm + attention saved + attention's gradients in
+    flight), each with the two residual gradients (of the layer's output and of its mid residual)."""
+    t, b = s.tokens, s.dtype_bytes
+    residual_grads = 2 * hidden_bytes(shape, s)
+    mlp_stage = layer_saved_bytes(shape, s, moe) + mlp_backward_transient_bytes(shape, s, moe)
+    attention_stage = (norm_saved_bytes(shape.hidden, t, b) + attention_saved_bytes(shape, s)
+                       + attention_backward_transient_bytes(shape, s) + ulysses_buffer_bytes(shape, s))
+    return max(mlp_stage, attention_stage) + residual_grads
+
+
+def layer_forward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    """The most one layer's forward has in flight beyond what it saves. With checkpointing nothing is saved in the
+    first forward: the layer's tensors come and go, the largest set being attention's (its would-be saved tensors
+    and transients) or the MLP's (without grad: act, up and their product, three quarters of what it would save;
+    one chunk's when tiled)."""
+    extra = attention_forward_transient_bytes(shape, s) + ulysses_buffer_bytes(shape, s) + hidden_bytes(shape, s)
+    if s.checkpointing:
+        mlp = (mlp_chunk_bytes(shape, s, moe) if s.tiled_mlp > 1 else mlp_saved_bytes(shape, s, moe)) * 3 // 4
+        return max(attention_saved_bytes(shape, s) + extra, mlp + hidden_bytes(shape, s))
+    return extra
+
+
+def held_per_layer_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    """What backward holds for one layer between its forward and its backward: the checkpointed input (policy
+    "sac": also the projections' outputs), or without checkpointing everything the layer saves and its input."""
+    if not s.checkpointing:
+        return layer_saved_bytes(shape, s, moe) + hidden_bytes(shape, s)
+    sac = s.selective_checkpointing or s.offload == "sac"
+    per_token = shape.hidden + (sac_elements_per_token(shape) if sac else 0)
+    return s.tokens * per_token * s.dtype_bytes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Head, loss and embeddings
+
+
+def loss_chunk_tokens(shape: ModelShape, s: Setup) -> int:
+    """Liger's fused linear cross-entropy chunk: next power of two of tokens / ceil(vocab / hidden)."""
+    chunks = math.ceil(shape.vocab / shape.hidden)
+    return min(s.tokens, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(s.tokens / chunks))))))
+
+
+def logits_bytes(shape: ModelShape, s: Setup) -> int:
+    """The logits in the dtype: tokens x vocab (0 with a chunked loss)."""
+    return 0 if s.chunked_loss else s.tokens * shape.vocab * s.dtype_bytes
+
+
+def head_saved_bytes(shape: ModelShape, s: Setup) -> int:
+    """What the head saves for backward: the final norm's tensors and input, and the loss's float32 log-probabilities
+    (with a chunked loss: the input's gradient, computed in forward)."""
+    norm = norm_saved_bytes(shape.hidden, s.tokens, s.dtype_bytes, with_input=True)
+    if s.chunked_loss:
+        return norm + hidden_bytes(shape, s)
+    return norm + s.tokens * shape.vocab * F32
+
+
+def head_forward_transient_bytes(shape: ModelShape, s: Setup) -> int:
+    """In flight at the loss: the logits and their float32 copy (the same tensor in float32); chunked (Liger's
+    fused linear cross-entropy): one chunk's logits, whose gradient the kernel writes in place, and the head's
+    weight-gradient accumulator."""
+    if s.chunked_loss:
+        chunk = loss_chunk_tokens(shape, s) * shape.vocab
+        return chunk * s.dtype_bytes + shape.vocab * shape.hidden * s.dtype_bytes
+    upcast = s.tokens * shape.vocab * F32 if s.dtype_bytes < F32 else 0
+    return logits_bytes(shape, s) + upcast
+
+
+def head_backward_transient_bytes(shape: ModelShape, s: Setup) -> int:
+    """In flight in the head's backward: the loss's gradient and the logits' (float32), beside the saved
+    log-probabilities (their cast to a narrower dtype comes after those two are freed: less); then the hidden
+    states' gradient. Chunked: none beyond what it saved."""
+    if s.chunked_loss:
+        return hidden_bytes(shape, s)
+    return 2 * s.tokens * shape.vocab * F32 + hidden_bytes(shape, s)
+
+
+def head_parts(shape: ModelShape, s: Setup) -> dict[str, dict[str, int]]:
+    """The head's bytes in its forward (at the loss) and backward phases, by part, for the phase table."""
+    norm = norm_saved_bytes(shape.hidden, s.tokens, s.dtype_bytes, with_input=True)
+    if s.chunked_loss:
+        saved = hidden_bytes(shape, s)
+        return {"forward": {"final_norm": norm, "chunked_loss": saved + head_forward_transient_bytes(shape, s)},
+                "backward": {"final_norm": norm, "chunked_loss": saved + head_backward_transient_bytes(shape, s)}}
+    tv = s.tokens * shape.vocab
+    upcast = tv * F32 if s.dtype_bytes < F32 else 0
+    return {
+        "forward": {"final_norm": norm, "logits": logits_bytes(shape, s), "logits_float32": upcast,
+                    "log_probs": tv * F32},
+        "backward": {"final_norm": norm, "log_probs": tv * F32,
+                     "logits_gradients": head_backward_transient_bytes(shape, s)},
+    }
+
+
+def embedding_bytes(shape: ModelShape, s: Setup) -> int:
+    """The embedding's output (the first layer's input; counted as held by that layer) and, in its backward, the
+    embedding's weight gradient (vocab x hidden), counted in the gradients."""
+    return hidden_bytes(shape, s)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Phases
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    total: int
+    parts: dict[str, int]
+
+
+def _device_layers(s: Setup, layers: int, upto: int, in_backward: bool) -> list[int]:
+    """Indices of layers < `upto` (forward) or <= `upto` (backward) whose held bytes are on the device."""
+    idx = range(upto + 1) if in_backward else range(upto)
+    if s.offload is None:
+        return list(idx)
+    kept = set(range(layers - s.keep_last_layers, layers))
+    # Backward: the layer in backward and `prefetch_depth` restored ahead. Forward: none (copies keep up with
+    # compute: see copies_hide_behind_compute).
+    window = set(range(upto - s.prefetch_depth, upto + 1)) if in_backward else set()
+    return [i for i in idx if i in window or i in kept]
+
+
+def phases(shape: ModelShape, s: Setup) -> list[Phase]:
+    """Every phase of one step with its terms (bytes), in order."""
+    moe_flags = [_is_moe(shape, i) for i in range(shape.layers)]
+    held = [held_per_layer_bytes(shape, s, m) for m in moe_flags]
+    weights = weights_bytes(shape, s)
+    opt = optimizer_state_bytes(shape, s)
+    fsdp = fsdp_gathered_bytes(shape, s)
+    persistent_mask = attention_mask_bytes(shape, s) if s.attn == "eager" and s.checkpointing else 0
+    out: list[Phase] = []
+
+    def add(name: str, **parts: int) -> None:
+        parts = {k: v for k, v in parts.items() if v}
+        out.append(Phase(name, sum(parts.values()), parts))
+
+    base = dict(weights=weights, optimizer_states=opt, fsdp_gathered_layers=fsdp)
+    step_mask = attention_mask_bytes(shape, s) if s.attn == "eager" else 0
+    for i in range(shape.layers):
+        held_now = sum(held[j] for j in _device_layers(s, shape.layers, i, False))
+        if s.checkpointing:
+            work = layer_forward_transient_bytes(shape, s, moe_flags[i])
+        else:
+            work = layer_saved_bytes(shape, s, moe_flags[i]) + layer_forward_transient_bytes(shape, s, moe_flags[i])
+        add(f"forward layer {i}", **base, held_for_backward=held_now + hidden_bytes(shape, s),
+            attention_mask=step_mask + (attention_mask_bytes(shape, s) if s.attn == "math" else 0),
+            layer_working_set=work)
+    all_held = sum(held[j] for j in _device_layers(s, shape.layers, shape.layers, False))
+    head = head_parts(shape, s)
+    add("head forward", **base, held_for_backward=all_held, attention_mask=persistent_mask, **head["forward"])
+    head_grads = head_gradient_bytes(shape, s)
+    add("head backward", **base, gradients=head_grads, held_for_backward=all_held, attention_mask=persistent_mask,
+        **head["backward"])
+    grads = head_grads
+    for i in reversed(range(shape.layers)):
+        grads += layer_gradient_bytes(shape, s, moe_flags[i])
+        held_now = sum(held[j] for j in _device_layers(s, shape.layers, i, True) if j < i or s.checkpointing)
+        add(f"backward layer {i}", **base, gradients=grads + fsdp_unsharded_gradient_bytes(shape, s),
+            held_for_backward=held_now, attention_mask=persistent_mask,
+            layer_working_set=layer_backward_bytes(shape, s, moe_flags[i]))
+    add("optimizer step", weights=weights, optimizer_states=opt, gradients=gradients_bytes(shape, s),
+        optimizer_update=optimizer_step_bytes(shape, s))
+    return out
+
+
+def _is_moe(shape: ModelShape, index: int) -> bool:
+    """Which layers are MoE: the last `moe_layers` (dense ones come first in the configs the planner reads)."""
+    return index >= shape.layers - shape.moe_layers
+
+
+def peak(shape: ModelShape, s: Setup) -> Phase:
+    """The phase with the most bytes on the device."""
+    return max(phases(shape, s), key=lambda p: p.total)
+
