@@ -59,6 +59,13 @@ int64_t free_bytes(int fd) {
   return ::fstatvfs(fd, &s) == 0 ? static_cast<int64_t>(s.f_bavail) * static_cast<int64_t>(s.f_frsize) : -1;
 }
 
+// Whether pinned host memory can be had: an accelerator that is actually usable, not merely one this torch was built
+// for (a CUDA wheel on a machine without a driver names CUDA as its accelerator, and asking it for pinned memory
+// throws "Found no NVIDIA driver on your system"). deviceCount() is 0 there and does not throw.
+bool accelerator_usable() {
+  return at::getAccelerator(/*checked=*/false).has_value() && at::accelerator::deviceCount() > 0;
+}
+
 // One 4096-aligned chunk of `bytes` inside a slightly larger buffer.
 at::Tensor aligned_chunk(int64_t bytes, bool pinned) {
   at::Tensor raw =
@@ -169,7 +176,7 @@ std::shared_ptr<SpillStore> SpillStore::open(const std::string& dir, bool pinned
   if (auto existing = slot.lock()) {
     return existing;
   }
-  const bool pinned = pinned_staging && at::getAccelerator(/*checked=*/false).has_value();
+  const bool pinned = pinned_staging && accelerator_usable();
   std::shared_ptr<SpillStore> store(new SpillStore(dir, pinned));  // private ctor
   store->stats_.direct_io = direct;
   slot = store;
