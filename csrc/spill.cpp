@@ -1,5 +1,6 @@
 #include "hsoffload/spill.h"
 
+#include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
@@ -61,9 +62,12 @@ int64_t free_bytes(int fd) {
 
 // Whether pinned host memory can be had: an accelerator that is actually usable, not merely one this torch was built
 // for (a CUDA wheel on a machine without a driver names CUDA as its accelerator, and asking it for pinned memory
-// throws "Found no NVIDIA driver on your system"). deviceCount() is 0 there and does not throw.
+// throws "Found no NVIDIA driver on your system"). The hooks' isAvailable() asks the driver and never throws;
+// at::accelerator::deviceCount() is no substitute: on torch 2.11 without a driver it says 0 until torch.compile has
+// run in the process, then 8 (measured).
 bool accelerator_usable() {
-  return at::getAccelerator(/*checked=*/false).has_value() && at::accelerator::deviceCount() > 0;
+  const auto accelerator = at::getAccelerator(/*checked=*/false);
+  return accelerator.has_value() && at::globalContext().getAcceleratorHooksInterface(*accelerator).isAvailable();
 }
 
 // One 4096-aligned chunk of `bytes` inside a slightly larger buffer.
