@@ -4,11 +4,11 @@
 # of its summary must end ok: a FAILED, TIMED OUT or SKIPPED step, or a step that never ended, fails this script.
 # Without CUDA the steps are the CPU fallbacks (GPU tests skipped with their reason, the CPU suite instead of the
 # GPU suite); the build, the loading of the library, the demo and the bench all run for real.
-# Usage: scripts/twin_gpu_check.sh PYTHON   (OUT defaults to build/twin/gpu_check)
+# Usage: scripts/twin_gpu_check.sh PYTHON   (results in TWIN_OUT, default build/twin/gpu_check, emptied first)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:?usage: scripts/twin_gpu_check.sh PYTHON}
-export OUT="${OUT:-$PWD/build/twin/gpu_check}"
+export OUT="${TWIN_OUT:-$PWD/build/twin/gpu_check}" # not $OUT: a caller's OUT is never emptied
 rm -rf "$OUT" && mkdir -p "$OUT"
 
 # No network, as on the GPU machine. unshare -n needs CAP_SYS_ADMIN (root in CI); without it, a user namespace.
