@@ -9,7 +9,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 COMPILE_CHECK_TORCH ?= 2.11.0 2.14.1
 
-.PHONY: all venv build install test test-cpp compile-check test-torch214 test-axolotl test-install mutation-check demo bench gpu-check clean
+.PHONY: all venv build install test test-cpp compile-check test-torch214 test-twin test-axolotl test-install mutation-check demo bench gpu-check clean
 
 all: test
 
@@ -66,6 +66,27 @@ test-torch214: $(VENV214)/.deps-stamp
 	PATH="$(abspath $(VENV214))/bin:$$PATH" $(VENV214)/bin/python -m pytest -q tests/test_core.py \
 		tests/test_torchscript_compile.py tests/test_loader.py tests/test_transformers_models.py tests/test_patch.py \
 		tests/test_fsdp.py tests/test_axolotl.py tests/test_emu_device.py tests/test_policies.py tests/test_policies_compile.py
+
+# The twin of the GPU machine: its Python 3.12, torch 2.11.0 (the PyPI CUDA 13.0 wheel, run on the CPU without a
+# driver), transformers 5.17.0, accelerate and peft, no trl and no axolotl (requirements/twin.txt), in a venv of its
+# own. The whole suite (what needs trl/axolotl skips with its reason), then `make gpu-check`'s script as the GPU
+# machine runs it (no network: scripts/twin_gpu_check.sh), every step of its summary required to end ok.
+# .ci/run calls it after test-torch214.
+VENVTWIN ?= .venv-twin
+TWIN_PYTHON ?= $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || \
+	PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep -m1 '^3\.12') python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null)
+TWIN_PYTEST_ARGS ?=
+$(VENVTWIN)/.deps-stamp: requirements/twin.txt
+	@test -n "$(TWIN_PYTHON)" || { echo "test-twin: no python3.12 found; pass TWIN_PYTHON=/path/to/python3.12" >&2; exit 1; }
+	test -x $(VENVTWIN)/bin/python || $(TWIN_PYTHON) -m venv $(VENVTWIN)
+	$(VENVTWIN)/bin/python -m pip install -q -r requirements/twin.txt
+	touch $@
+
+test-twin: $(VENVTWIN)/.deps-stamp
+	PATH="$(abspath $(VENVTWIN))/bin:$$PATH" $(VENVTWIN)/bin/python -m pip install -q --no-build-isolation --no-deps \
+		-C build-dir=build/twin .
+	PATH="$(abspath $(VENVTWIN))/bin:$$PATH" $(VENVTWIN)/bin/python -m pytest -q -rs -p no:cacheprovider $(TWIN_PYTEST_ARGS)
+	PATH="$(abspath $(VENVTWIN))/bin:$$PATH" bash scripts/twin_gpu_check.sh $(abspath $(VENVTWIN))/bin/python
 
 # The Axolotl leg of CI: the newest Axolotl that resolves with torch 2.13.0, in a venv of its own, hsoffload built
 # into it; Axolotl's own tests of its hidden-state offload module against hsoffload.axolotl, the differential suite,

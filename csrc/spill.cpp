@@ -3,6 +3,7 @@
 
 #include "hsoffload/transfer.h"
 
+#include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
@@ -59,6 +60,16 @@ int open_anonymous(const std::string& dir, bool& direct) {
 int64_t free_bytes(int fd) {
   struct statvfs s {};
   return ::fstatvfs(fd, &s) == 0 ? static_cast<int64_t>(s.f_bavail) * static_cast<int64_t>(s.f_frsize) : -1;
+}
+
+// Whether pinned host memory can be had: an accelerator that is actually usable, not merely one this torch was built
+// for (a CUDA wheel on a machine without a driver names CUDA as its accelerator, and asking it for pinned memory
+// throws "Found no NVIDIA driver on your system"). The hooks' isAvailable() asks the driver and never throws;
+// at::accelerator::deviceCount() is no substitute: on torch 2.11 without a driver it says 0 until torch.compile has
+// run in the process, then 8 (measured).
+bool accelerator_usable() {
+  const auto accelerator = at::getAccelerator(/*checked=*/false);
+  return accelerator.has_value() && at::globalContext().getAcceleratorHooksInterface(*accelerator).isAvailable();
 }
 
 // One 4096-aligned chunk of `bytes` inside a slightly larger buffer.
@@ -171,7 +182,7 @@ std::shared_ptr<SpillStore> SpillStore::open(const std::string& dir, bool pinned
   if (auto existing = slot.lock()) {
     return existing;
   }
-  const bool pinned = pinned_staging && at::getAccelerator(/*checked=*/false).has_value();
+  const bool pinned = pinned_staging && accelerator_usable();
   std::shared_ptr<SpillStore> store(new SpillStore(dir, pinned));  // private ctor
   store->stats_.direct_io = direct;
   slot = store;

@@ -5,7 +5,12 @@ Skipped (with a reason) without CUDA; run on a GPU machine by scripts/gpu_check.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,31 @@ from hsoffload import OffloadScope
 
 pytestmark = pytest.mark.gpu
 mark = torch.ops.hsoffload.mark_hidden_state
+MiB = 1 << 20
+
+
+def _figure(test: str, **values) -> None:
+    """Appends one line of measured figures to $HSOFFLOAD_GPU_FIGURES (scripts/gpu_check.sh points it at its
+    summary.txt) as soon as they are measured, so a run cut short still reports what it measured."""
+    path = os.environ.get("HSOFFLOAD_GPU_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"    figures {test}: {json.dumps(values, default=str)}\n")
+
+
+@contextlib.contextmanager
+def _peak():
+    """Device bytes allocated above the level at entry, at its highest inside the block (after a synchronize):
+    `torch.cuda.reset_peak_memory_stats` / `max_memory_allocated`. Yields a dict filled in at exit."""
+    out: dict = {}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    try:
+        yield out
+    finally:
+        torch.cuda.synchronize()
+        out["peak"] = torch.cuda.max_memory_allocated() - base
 
 
 class Block(torch.nn.Module):
@@ -112,34 +142,37 @@ def test_pack_on_a_non_default_stream():
 
 
 def test_device_memory_is_freed_during_forward():
+    """Peak allocated device memory (reset_peak_memory_stats / max_memory_allocated), around the forward and around
+    the whole step. Without offload the forward ends holding every layer's input (checkpointing keeps them); with it
+    only the layer being computed holds one, so the forward's peak is lower by the other layers - 1 inputs. In
+    backward offload holds the restored input of the layer being recomputed and the prefetched next one
+    (prefetch_depth 1): the step's peak is lower by at least layers - 2 inputs."""
     torch.manual_seed(0)
     layers, dim = 8, 1024
     model = Stack(dim, layers).cuda()
     x = torch.randn(1, 8192, dim, device="cuda", requires_grad=True)
     hidden_bytes = x.numel() * x.element_size()
 
-    def forward_peak(offload: bool) -> int:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        if offload:
-            with OffloadScope(min_offload_size=0):
+    def peaks(offload: bool) -> tuple[int, int]:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        scope = OffloadScope(min_offload_size=0) if offload else contextlib.nullcontext()
+        with scope, _peak() as step:
+            with _peak() as forward:
                 loss = model(x)
-                torch.cuda.synchronize()
-                held = torch.cuda.memory_allocated() - base
-                loss.backward()
-        else:
-            loss = model(x)
-            torch.cuda.synchronize()
-            held = torch.cuda.memory_allocated() - base
             loss.backward()
-        return held
+            del loss
+        return forward["peak"], step["peak"]
 
-    plain = forward_peak(False)
-    offloaded = forward_peak(True)
-    # Layer inputs 1..layers-1 are kept by checkpointing without offload (the first is x itself).
-    freed = plain - offloaded
-    assert freed >= 0.99 * (layers - 1) * hidden_bytes, (plain, offloaded, hidden_bytes)
+    peaks(True)  # warm: the pinned pool's slabs and the allocator's blocks exist before the measured steps
+    peaks(False)
+    fwd_plain, step_plain = peaks(False)
+    fwd_off, step_off = peaks(True)
+    _figure("device_memory_freed", hidden_mib=hidden_bytes / MiB, layers=layers,
+            forward_peak_mib=[fwd_plain / MiB, fwd_off / MiB], step_peak_mib=[step_plain / MiB, step_off / MiB],
+            forward_freed_hidden=(fwd_plain - fwd_off) / hidden_bytes, step_freed_hidden=(step_plain - step_off) / hidden_bytes)
+    assert fwd_plain - fwd_off >= 0.99 * (layers - 1) * hidden_bytes, (fwd_plain, fwd_off, hidden_bytes)
+    assert step_plain - step_off >= 0.99 * (layers - 2) * hidden_bytes, (step_plain, step_off, hidden_bytes)
 
 
 def test_pinned_pool_is_reused_across_steps():
@@ -171,16 +204,17 @@ def test_retain_graph_on_gpu():
     assert scope.stats.restored_tensors == 6  # each backward unpacks every layer input once
 
 
-def _cuda_llama_pair(hidden: int, intermediate: int, max_positions: int):
-    """Two identical 4-layer Llamas on CUDA (vocab 256). Eager attention: on CUDA, fp32 SDPA runs memory-efficient
-    attention, whose backward splits the keys and accumulates dQ with atomics (non-deterministic by default), so two
-    runs of the *same* model could differ in the last bit; eager attention (matmul + softmax) is deterministic."""
+def _cuda_llama_pair(hidden: int, intermediate: int, max_positions: int, attn: str = "eager"):
+    """Two identical 4-layer Llamas on CUDA (vocab 256). Eager attention for the bitwise comparisons: on CUDA, fp32
+    SDPA runs memory-efficient attention, whose backward splits the keys and accumulates dQ with atomics
+    (non-deterministic by default), so two runs of the *same* model could differ in the last bit; eager attention
+    (matmul + softmax) is deterministic. Memory is measured with SDPA (linear in the length, as the suite runs)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-        attn_implementation="eager",
+        attn_implementation=attn, use_cache=False,
     )
     ref = transformers.LlamaForCausalLM(cfg).cuda().train()
     return ref, copy.deepcopy(ref)
@@ -205,33 +239,103 @@ def test_transformers_llama_on_gpu():
 @pytest.mark.parametrize("policy", ["sac", "all"])
 def test_policies_on_gpu_bitwise_and_free_memory(policy):
     """Policies "sac" (selective checkpointing) and "all" (no checkpointing) with real streams: bitwise equal to the
-    same training without offload, and the forward's peak of allocated memory lower than without offload."""
+    same training without offload (eager attention, see _cuda_llama_pair), and, with SDPA at a longer length, the
+    peak of allocated memory lower than without offload, around the forward and around the whole step."""
     import hf_tiny
 
-    ref, off = _cuda_llama_pair(256, 512, 2048)
-    if policy == "sac":
-        for m in (ref, off):
-            hf_tiny.enable_sac(m)
-    ids = torch.randint(0, 256, (2, 1024), device="cuda")
+    def setup(pair):
+        if policy == "sac":
+            for m in pair:
+                hf_tiny.enable_sac(m)
+        return pair
 
-    def forward_peak(model, ctx):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        with ctx:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - base
+    def run(model, ids, ctx):
+        with ctx, _peak() as step:
+            with _peak() as forward:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
-        return loss, peak
+        return loss.detach(), forward["peak"], step["peak"]
 
-    import contextlib
-
-    la, peak_ref = forward_peak(ref, contextlib.nullcontext())
+    # Bitwise: eager attention, 1024 tokens within 2048 positions.
+    ref, off = setup(_cuda_llama_pair(256, 512, 2048))
+    ids = torch.randint(0, 256, (2, 1024), device="cuda")
+    la, _, _ = run(ref, ids, contextlib.nullcontext())
     scope = hsoffload.offload_hidden_states(off, policy=policy, min_offload_size=0)
-    lb, peak_off = forward_peak(off, scope)
-    torch.cuda.synchronize()
+    lb, _, _ = run(off, ids, scope)
     assert torch.equal(la, lb)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), off.parameters()))
     assert scope.stats.offloaded_tensors > 4 * ref.config.num_hidden_layers, scope.stats
-    assert peak_off < peak_ref, (peak_off, peak_ref)
+    del ref, off, scope
+    gc.collect()
+
+    # Memory: SDPA, 4096 tokens within 4096 positions; one warm step each, then the measured one.
+    ref, off = setup(_cuda_llama_pair(256, 512, 4096, attn="sdpa"))
+    ids = torch.randint(0, 256, (2, 4096), device="cuda")
+    peaks = {}
+    for name, model in (("plain", ref), ("offload", off)):
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            ctx = hsoffload.offload_hidden_states(model, policy=policy, min_offload_size=0) if name == "offload" \
+                else contextlib.nullcontext()
+            _, fwd, step = run(model, ids, ctx)
+        peaks[name] = (fwd, step)
+    _figure(f"policy_{policy}_peaks_sdpa_4096", forward_peak_mib=[peaks["plain"][0] / MiB, peaks["offload"][0] / MiB],
+            step_peak_mib=[peaks["plain"][1] / MiB, peaks["offload"][1] / MiB])
+    assert peaks["offload"][0] < peaks["plain"][0], peaks
+    assert peaks["offload"][1] < peaks["plain"][1], peaks
+
+
+def test_spill_tier_on_gpu_bitwise(tmp_path: Path):
+    """The disk tier with real streams: a host budget of a quarter of the hidden states, the rest spilled to files
+    in spill_dir and read back (prefetched) in backward, bit for bit, nothing left behind."""
+    torch.manual_seed(0)
+    layers = 6
+    ref = Stack(256, layers).cuda()
+    off = copy.deepcopy(ref)
+    x = torch.randn(2, 2048, 256, device="cuda", requires_grad=True)
+    hidden_bytes = x.numel() * x.element_size()
+    a = _step(ref, x, False)
+    try:
+        for _ in range(2):
+            off.zero_grad(set_to_none=True)
+            with OffloadScope(min_offload_size=0, max_host_bytes=layers * hidden_bytes // 4,
+                              spill_dir=str(tmp_path)) as scope:
+                loss = off(x)
+                loss.backward()
+            torch.cuda.synchronize()
+            s = scope.stats
+            _figure("spill_on_gpu", spilled_mib=s.spilled_bytes / MiB, offloaded_mib=s.offloaded_bytes / MiB,
+                    restored_tensors=s.restored_tensors, spill=scope.spill_stats())
+            assert torch.equal(a[0], loss.detach())
+            assert all(torch.equal(g, p.grad) for g, p in zip(a[1], off.parameters()))
+            assert s.spilled_tensors > 0 and s.spilled_bytes > 0, s
+            assert s.offloaded_tensors == layers and s.restored_tensors == layers, s
+        gc.collect()
+        assert list(tmp_path.iterdir()) == []  # anonymous files: never a name on disk
+    finally:
+        gc.collect()
+        hsoffload.set_host_budget("auto")
+
+
+def test_pack_and_unpack_make_no_host_sync():
+    """One offloaded step under torch.cuda.set_sync_debug_mode("error"): any host-device synchronization inside
+    forward and backward (packs, copies, unpacks, prefetches) raises. The pinned pool is warm (a step before), as in
+    training; the scope is entered and left outside the checked region."""
+    torch.manual_seed(0)
+    ref = Stack(256, 4).cuda()
+    off = copy.deepcopy(ref)
+    x = torch.randn(2, 512, 256, device="cuda", requires_grad=True)
+    a = _step(ref, x, False)
+    _step(off, x, True)  # warm
+    off.zero_grad(set_to_none=True)
+    with OffloadScope(min_offload_size=0) as scope:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = off(x)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert scope.stats.offloaded_tensors == 4 and scope.stats.restored_tensors == 4, scope.stats
+    assert torch.equal(a[0], loss.detach())
+    assert all(torch.equal(g, p.grad) for g, p in zip(a[1], off.parameters()))

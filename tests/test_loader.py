@@ -21,13 +21,22 @@ def _import_in_subprocess(env_updates: dict[str, str], cwd: Path) -> subprocess.
     )
 
 
+def _another_build() -> dict[str, str]:
+    """A supported build that is not the running one (on the GPU image, torch 2.11.0 with CUDA 13.0 *is* the running
+    one): the torch release differs, so the loader must refuse it whatever CUDA either was built with."""
+    running = torch.__version__.split("+")[0]
+    torch_version = next(v for v in ("2.11.0", "2.14.1") if v != running)
+    return {"torch": torch_version, "cuda": "13.0"}
+
+
 def test_mismatched_build_is_refused_with_versions_and_rebuild_command(tmp_path: Path) -> None:
     lib = tmp_path / "libhsoffload.so"
     shutil.copy(hsoffload.load_library(), lib)
-    (tmp_path / "_build_info.json").write_text(json.dumps({"torch": "2.11.0", "cuda": "13.0"}))
+    other = _another_build()
+    (tmp_path / "_build_info.json").write_text(json.dumps(other))
     out = _import_in_subprocess({"HSOFFLOAD_LIBRARY": str(lib)}, tmp_path)
-    assert out.returncode != 0
-    assert "built for torch 2.11.0 (CUDA 13.0)" in out.stderr
+    assert out.returncode != 0, out.stderr
+    assert f"built for torch {other['torch']} (CUDA 13.0)" in out.stderr
     assert f"running torch {torch.__version__}" in out.stderr
     assert "pip install --no-build-isolation" in out.stderr
 

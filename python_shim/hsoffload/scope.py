@@ -119,6 +119,13 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         def unpack_hook(packed: Any) -> torch.Tensor:
             return unpack_op(packed) if type(packed) is torch.Tensor else packed.unpack()
 
+        # Never compiled: autograd calls the hooks from eager code that may run inside a torch.compile'd model (a
+        # graph-break region of whole-model compile). torch <= 2.11's dynamo then compiles the hook's own frame; AOT
+        # tracing runs the engine op on a FunctionalTensor at compile time and bakes its handle into the graph as a
+        # constant, so every later step unpacks that trace-time tensor ("Attempting to use FunctionalTensor on its
+        # own" in backward; torch 2.14 does not compile these frames). Disabling dynamo here is right on every torch.
+        pack_hook = torch._dynamo.disable(pack_hook)
+        unpack_hook = torch._dynamo.disable(unpack_hook)
         # The exact callables installed as saved-tensor hooks (benchmarks time these).
         self.pack_hook = pack_hook
         self.unpack_hook = unpack_hook

@@ -8,6 +8,7 @@ trace also has the copy and compute kernels on their streams.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any, Optional
@@ -38,11 +39,14 @@ def run(path: str, device: Optional[torch.device] = None, layers: int = 4, seq: 
 
     device = device or common.default_device()
     if device.type == "cpu":
-        shape = common.LlamaShape.tiny(layers=layers)
+        shape = dataclasses.replace(common.LlamaShape.tiny(layers=layers), max_position_embeddings=max(4096, seq))
     else:
         shape = common.LlamaShape.llama3_8b(layers=layers, max_seq=seq)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    model = common.build_model(shape, seed=0, device=device, dtype=dtype, causal_lm=device.type == "cpu")
+    # SDPA, as the GPU suite's model (eager attention's memory is quadratic in the length; the trace compares no bits).
+    model = common.build_model(
+        shape, seed=0, device=device, dtype=dtype, causal_lm=device.type == "cpu", attn_implementation="sdpa"
+    )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     batch = common.make_batch(shape, 1, seq, seed=1, device=device, labels=device.type == "cpu")
     scope = hsoffload.offload_hidden_states(model, offload_cpu_tensors=device.type == "cpu", min_offload_size=0)
