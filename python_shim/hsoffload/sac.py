@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._logging import log_once
+from ._logging import log_once, was_logged
 from .current import current_scope
 
 _SAVE = frozenset({CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE})
@@ -68,6 +68,10 @@ state = _State()
 
 
 # ------------------------------------------------------------------------------------------------ per layer memory
+
+
+def _unwrapped(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
+    return checkpoint
 
 
 class _LayerMemory:
@@ -132,7 +136,8 @@ class _Pending:
         if self.outputs is None or self.next >= len(self.outputs):
             return False
         out = self.outputs[self.next]
-        if x.shape != out.shape or x.dtype != out.dtype or (out.numel() and x.data_ptr() != out.data_ptr()):
+        same_data = type(out) is not torch.Tensor or not out.numel() or x.data_ptr() == out.data_ptr()
+        if x.shape != out.shape or x.dtype != out.dtype or not same_data:
             state.pending = None  # not what torch stores next: stop claiming
             return False
         self.next += 1
@@ -218,13 +223,12 @@ class _UnscopedPolicyFn:
         return policy
 
 
-_said_unscoped = threading.Event()  # "log once" flag, process-wide by intent (also stops wrapping the policy)
+_UNSCOPED_KEY = "cpu-offload-unscoped"  # once logged, unscoped calls stop wrapping the policy
 
 
 def _say_unscoped_cpu_offload(policy: Any) -> None:
-    _said_unscoped.set()
     log_once(
-        "cpu-offload-unscoped",
+        _UNSCOPED_KEY,
         logging.WARNING,
         "hsoffload: a selective-checkpoint policy returned %s outside an hsoffload offload scope: nothing offloads it "
         "(torch's eager checkpoint recomputes that op in backward). Run the training step inside "
@@ -248,13 +252,18 @@ class _ScopedCheckpoint:
         functools.update_wrapper(self, checkpoint)
         self.checkpoint, self.memory, self.name = checkpoint, memory, name
 
+    def __reduce__(self) -> Any:
+        # A copy of the layer (copy.deepcopy(model): reference models, EMA; pickling) gets torch's checkpoint back,
+        # without this layer's memory; the patch wraps the copy again at its first call.
+        return (_unwrapped, (self.checkpoint,))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         context_fn = kwargs.get("context_fn")
         if context_fn is None or kwargs.get("use_reentrant") is True or torch.compiler.is_compiling():
             return self.checkpoint(*args, **kwargs)
         scope = current_scope()
         if scope is None:
-            if not _said_unscoped.is_set():
+            if not was_logged(_UNSCOPED_KEY):
                 kwargs["context_fn"] = functools.partial(_unscoped_contexts, context_fn)
             return self.checkpoint(*args, **kwargs)
         visit = scope.layer_tracker.current
