@@ -60,12 +60,15 @@ def _dtensor_class() -> Optional[type]:
 def _pack_subclass(engine: Any, x: torch.Tensor, scope_id: int) -> Any:
     """Tensor subclasses: a marked DTensor offloads its local shard and comes back as a DTensor with the same mesh,
     placements and metadata; every other subclass goes to the engine, which passes it through untouched (counted
-    in skipped_marked_tensors when marked, logged once at scope exit)."""
+    in skipped_marked_tensors when marked, logged once at scope exit). A DTensor counts as marked when the wrapper
+    is (the op's CompositeImplicitAutograd kernel sees the wrapper) or its local shard is (a kernel reached through
+    DTensor's dispatch would see the shard)."""
     dtensor = _dtensor_class()
-    if dtensor is not None and isinstance(x, dtensor) and engine.is_marked(x):
+    if dtensor is not None and isinstance(x, dtensor):
         local = x._local_tensor
-        engine.mark(local)
-        return _DTensorHandle(torch.ops.hsoffload.offload_pack(local, scope_id), x._spec, x.requires_grad)
+        if engine.is_marked(x) or engine.is_marked(local):
+            engine.mark(local)
+            return _DTensorHandle(torch.ops.hsoffload.offload_pack(local, scope_id), x._spec, x.requires_grad)
     return torch.ops.hsoffload.offload_pack(x, scope_id)
 
 
