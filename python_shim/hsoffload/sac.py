@@ -111,7 +111,6 @@ class _SacCall:
         self.counters: dict[Any, int] = collections.defaultdict(int)
         self.offloaded: set[tuple[Any, int]] = set()
         self.read: set[tuple[Any, int]] = set()
-        self.recomputed = 0  # saves turned into recomputes because the last recompute did not read them
 
     def __del__(self) -> None:
         # The call's cache is gone (its graph was freed). Learn only from a call whose recompute ran at all.
@@ -202,7 +201,6 @@ class _PolicyFn:
         offload = call.offload_allowed and (asked or call.offload_saves)
         if offload and not _policy_called_in_recompute and call.memory.skips(key):
             state.pending = None
-            call.recomputed += 1
             return CheckpointPolicy.PREFER_RECOMPUTE
         outputs = _tensor_leaves(getattr(ctx, "op_output", None)) if self.hooks_route else None
         state.pending = _Pending(call, key, offload, outputs)
