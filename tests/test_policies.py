@@ -161,6 +161,38 @@ def test_sac_offloads_what_sac_keeps_plus_the_hidden_states_bitwise(family):
     assert all(hsoffload.sac.layer_memory(layer).unread == down_proj for layer in model.model.layers)
 
 
+def test_sac_entries_learned_unread_are_recomputed_bitwise_when_a_recompute_reaches_them():
+    """What a layer's recompute left unread is recomputed from then on; with early stop off the recompute reaches
+    those ops again and recomputes them: still bitwise, and nothing copied goes unread."""
+    model = H.tiny_model("llama")
+    _sac_checkpointing(model)
+    twin = H.twin(model)
+    data = H.batches(3)
+    first = H.train_steps(model, data[:1], offload=True, steps=1, scope_kwargs=_kwargs(policy="sac"))
+    H.assert_bitwise_equal(first, H.train_steps(twin, data[:1], offload=False, steps=1))
+    assert all(hsoffload.sac.layer_memory(layer).unread for layer in model.model.layers)
+
+    def without_early_stop(m: torch.nn.Module, batch: dict) -> torch.Tensor:
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return m(**batch).loss
+
+    ours = H.train_steps(model, data, offload=True, forward=without_early_stop, scope_kwargs=_kwargs(policy="sac"))
+    H.assert_bitwise_equal(ours, H.train_steps(twin, data, offload=False, forward=without_early_stop))
+    assert all(s.offloaded_tensors == s.restored_tensors == first[2][0].restored_tensors for s in ours[2])
+
+
+def test_sac_entry_mutated_in_place_raises_under_hidden_states_too():
+    """Under "hidden_states" the kept tensors stay on the device (on torch 2.14 they pass through the scope's hook):
+    a cached tensor changed in place still raises, by torch's check or by the engine's."""
+    x = torch.randn(8, 16, requires_grad=True)
+    layer = _mutating_layer()
+    hsoffload.patch()
+    with pytest.raises(RuntimeError, match="mutated|modified by an inplace operation"):
+        with hsoffload.OffloadScope(**_kwargs()) as scope:
+            layer(x).sum().backward()
+    assert scope.stats.offloaded_tensors == 1  # the input only
+
+
 def test_sac_with_lora_is_bitwise():
     peft = pytest.importorskip("peft")
     model = H.tiny_model("qwen3")
