@@ -126,7 +126,7 @@ def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callabl
             if visit is not None:
                 _end_compiled_layer(scope, visit)
             return out
-        # Every policy, and outside scopes too: a selective checkpoint's policy may ask for CPU offload
+        # Every policy, and outside scopes too (a selective checkpoint's policy may ask for CPU offload)
         _sac.wrap_checkpoint_fn(self)
         scope = current_scope()
         if scope is None:

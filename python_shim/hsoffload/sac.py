@@ -40,7 +40,10 @@ _SAVE = frozenset({CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE})
 # *_CPU_OFFLOAD -> the save that torch's eager checkpoint understands (MUST stays MUST for other subsystems).
 _CPU_OFFLOAD_AS_SAVE = {
     getattr(CheckpointPolicy, name): save
-    for name, save in (("MUST_CPU_OFFLOAD", CheckpointPolicy.MUST_SAVE), ("PREFER_CPU_OFFLOAD", CheckpointPolicy.PREFER_SAVE))
+    for name, save in (
+        ("MUST_CPU_OFFLOAD", CheckpointPolicy.MUST_SAVE),
+        ("PREFER_CPU_OFFLOAD", CheckpointPolicy.PREFER_SAVE),
+    )
     if hasattr(CheckpointPolicy, name)
 }
 
@@ -235,7 +238,7 @@ def _say_unscoped_cpu_offload(policy: Any) -> None:
     )
 
 
-# ------------------------------------------------------------------------------------------------ the checkpoint wrapper
+# ------------------------------------------------------------------------------------------- the checkpoint wrapper
 
 
 def _returning(contexts: Any) -> Any:
@@ -336,7 +339,7 @@ def _say_unknown_context(name: str) -> None:
     )
 
 
-# ------------------------------------------------------------------------------------------------ legacy route (torch < 2.14)
+# ---------------------------------------------------------------------------------- legacy route (torch < 2.14)
 
 
 class _OffloadedEntry:
