@@ -65,7 +65,8 @@ test-torch214: $(VENV214)/.deps-stamp
 	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps -C build-dir=build/torch214 .
 	PATH="$(abspath $(VENV214))/bin:$$PATH" $(VENV214)/bin/python -m pytest -q tests/test_core.py \
 		tests/test_torchscript_compile.py tests/test_loader.py tests/test_transformers_models.py tests/test_patch.py \
-		tests/test_fsdp.py tests/test_axolotl.py tests/test_emu_device.py tests/test_policies.py tests/test_policies_compile.py
+		tests/test_fsdp.py tests/test_axolotl.py tests/test_emu_device.py tests/test_policies.py tests/test_policies_compile.py \
+		tests/test_dtensor.py
 
 # The Axolotl leg of CI: the newest Axolotl that resolves with torch 2.13.0, in a venv of its own, hsoffload built
 # into it; Axolotl's own tests of its hidden-state offload module against hsoffload.axolotl, the differential suite,
