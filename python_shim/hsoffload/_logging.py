@@ -85,6 +85,12 @@ def log_once(key: str, level: int, msg: str, *args: Any) -> None:
     logger.log(level, msg, *args)
 
 
+def was_logged(key: str) -> bool:
+    """True once `log_once(key, ...)` has logged (until `forget_logged`)."""
+    with _lock:
+        return key in _logged
+
+
 def forget_logged() -> None:
     """Let every "log once" message be logged again (tests)."""
     with _lock:

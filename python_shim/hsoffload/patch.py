@@ -84,7 +84,7 @@ def _mark_layer_inputs(scope: OffloadScope, layer: torch.nn.Module, args: tuple,
         return _pass_hidden_states_first(layer, args, kwargs, mark=False)
     if not visit.offload or getattr(layer, _IN_CHECKPOINT_WRAPPER, False) or diagnostics.report_inactive(layer):
         return args
-    if policy == "sac" and not compiled and not _sac.wrap_context_fn(layer):
+    if policy == "sac" and not compiled and not _sac.wrap_checkpoint_fn(layer):
         diagnostics.report_sac_without_context(layer)
     args = _pass_hidden_states_first(layer, args, kwargs, mark=True)
     diagnostics.report_reentrant_without_grad(layer, args)
@@ -126,6 +126,8 @@ def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callabl
             if visit is not None:
                 _end_compiled_layer(scope, visit)
             return out
+        # Every policy, and outside scopes too (a selective checkpoint's policy may ask for CPU offload)
+        _sac.wrap_checkpoint_fn(self)
         scope = current_scope()
         if scope is None:
             return previous(self, *args, **kwargs)

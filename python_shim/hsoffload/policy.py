@@ -4,7 +4,8 @@ Every policy ends in the same two engine calls (`mark`, then the pack op), so th
 
 - ``"hidden_states"``: the input of each checkpointed decoder layer (marked by the transformers patch);
 - ``"sac"``: that input, plus the tensors `torch.utils.checkpoint.create_selective_checkpoint_contexts` keeps for
-  the layer (whatever the user's SAC policy saves);
+  the layer (whatever the user's SAC policy saves); under every policy, the outputs a SAC policy marks
+  `CheckpointPolicy.*_CPU_OFFLOAD` (hsoffload.sac);
 - ``"all"``: every saved activation of at least `min_offload_size` bytes (never parameters, buffers or views of
   them); the output head's (saved after a decoder layer ran, outside every layer) only with `offload_output_head`;
 - a callable ``(tensor, module_qualified_name) -> bool``.

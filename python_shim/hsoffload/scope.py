@@ -25,7 +25,8 @@ from .current import current_scope
 from .host import apply_host_budget, budget_stats
 from .layers import LayerStats, LayerTracker, reset_head_state_on_forward
 from .policy import Selector, policy_name, track_module_names
-from .sac import pack_sac_value
+from . import sac
+from .sac import SacHandle, pack_sac_value, take_pending
 from .stats import OffloadStats, SpillStats, from_engine
 
 logger = logging.getLogger("hsoffload")
@@ -59,12 +60,15 @@ def _dtensor_class() -> Optional[type]:
 def _pack_subclass(engine: Any, x: torch.Tensor, scope_id: int) -> Any:
     """Tensor subclasses: a marked DTensor offloads its local shard and comes back as a DTensor with the same mesh,
     placements and metadata; every other subclass goes to the engine, which passes it through untouched (counted
-    in skipped_marked_tensors when marked, logged once at scope exit)."""
+    in skipped_marked_tensors when marked, logged once at scope exit). A DTensor counts as marked when the wrapper
+    is (the op's CompositeImplicitAutograd kernel sees the wrapper) or its local shard is (a kernel reached through
+    DTensor's dispatch would see the shard)."""
     dtensor = _dtensor_class()
-    if dtensor is not None and isinstance(x, dtensor) and engine.is_marked(x):
+    if dtensor is not None and isinstance(x, dtensor):
         local = x._local_tensor
-        engine.mark(local)
-        return _DTensorHandle(torch.ops.hsoffload.offload_pack(local, scope_id), x._spec, x.requires_grad)
+        if engine.is_marked(x) or engine.is_marked(local):
+            engine.mark(local)
+            return _DTensorHandle(torch.ops.hsoffload.offload_pack(local, scope_id), x._spec, x.requires_grad)
     return torch.ops.hsoffload.offload_pack(x, scope_id)
 
 
@@ -101,15 +105,20 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         # Log the per-layer line (once per process) after the first entry that ran decoder layers; integrations that
         # print their own line set it to False.
         self.report_layers = True
-        self._selector: Optional[Selector] = None
         self._bound_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-        if c.policy != "hidden_states":
-            self._selector = Selector(
-                c.policy, self.layer_tracker, c.min_offload_size, c.offload_cpu_tensors, c.offload_output_head
-            )
-        select = self._selector
+        # Every policy asks the selector whether a tensor is worth a copy (`movable`: SAC-kept tensors); only "all",
+        # callables and compiled "sac" layers let it pick saved tensors in the pack hook.
+        self._selector = Selector(
+            c.policy, self.layer_tracker, c.min_offload_size, c.offload_cpu_tensors, c.offload_output_head
+        )
+        select = self._selector if c.policy != "hidden_states" else None
+        sac_state = sac.state
+        pack_sac_kept = self._pack_sac_kept
 
         def pack_hook(x: torch.Tensor) -> Any:
+            pending = sac_state.pending  # a tensor the SAC cache keeps (torch >= 2.14 routes it here)
+            if pending is not None and pending.claims(x):
+                return pack_sac_kept(x, pending)
             if type(x) in plain:
                 if select is not None and type(x) is torch.Tensor and select(x):
                     engine.mark(x)
@@ -141,10 +150,10 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             GradientCheckpointingLayer = None
         if GradientCheckpointingLayer is not None:
             self.layer_tracker.bind(model, GradientCheckpointingLayer)
-        if self._selector is not None:
-            self._bound_models.add(model)
-            if self.active:
-                self._refresh_parameter_storages()  # otherwise the next entry reads them
+        self._bound_models.add(model)
+        if self.active:
+            self._refresh_parameter_storages()  # otherwise the next entry reads them
+        if self.config.policy != "hidden_states":
             reset_head_state_on_forward(model)
         if callable(self.config.policy):
             track_module_names(model)
@@ -154,8 +163,6 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         """The storage addresses of the bound models' parameters and buffers, now: re-read at every entry, since
         `model.to()`, sharding or a LoRA merge moves them (and the allocator may give the old addresses to
         activations)."""
-        if self._selector is None:
-            return
         storages: set[int] = set()
         for model in list(self._bound_models):
             for t in list(model.parameters()) + list(model.buffers()):
@@ -168,17 +175,30 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         """Per decoder layer (qualified name): chosen by the layer budget or not, calls, tensors and bytes offloaded."""
         return {k: dataclasses.replace(v) for k, v in self.layer_tracker.layers.items()}
 
+    def _pack_sac_kept(self, x: torch.Tensor, pending: sac._Pending) -> Any:
+        """The pack hook for a tensor the SAC cache keeps (torch >= 2.14, respect_saved_tensors_hooks=True): to the
+        engine marked when its save offloads (policy "sac", CheckpointPolicy.*_CPU_OFFLOAD) and it is worth a copy,
+        untouched otherwise (counted as seen; the engine's version check replaces torch's)."""
+        if pending.offload and type(x) is torch.Tensor and self._selector.movable(x):
+            self._scope.mark(x)
+            pending.call.offloaded.add(pending.key)
+            return SacHandle(torch.ops.hsoffload.offload_pack(x, self.id), pending.call, pending.key)
+        return torch.ops.hsoffload.offload_pack(x, self.id)
+
     def pack_sac_entry(self, value: Any) -> Any:
-        """Policy "sac": a value torch's selective-checkpoint cache stores, with its tensors handed to the engine."""
-        select = self._selector  # always set for policy "sac"
+        """A value torch's selective-checkpoint cache stores (torch < 2.14, where it bypasses the hooks), with its
+        tensors handed to the engine when the policy's decision for it (`sac.take_pending`) offloads."""
+        pending = take_pending()
+        if pending is None or not pending.offload:
+            return value
 
         def pack_tensor(t: torch.Tensor) -> Optional[torch.Tensor]:
-            if not select.movable(t):
+            if not self._selector.movable(t):
                 return None  # small, CPU, or a weight a SAC policy keeps a view of (aten.t): it stays where it is
             self._scope.mark(t)
             return torch.ops.hsoffload.offload_pack(t, self.id)
 
-        return pack_sac_value(value, pack_tensor)
+        return pack_sac_value(value, pack_tensor, pending)
 
     def __enter__(self) -> "OffloadScope":
         if self.layer_tracker.budgeted and not self.layer_tracker.bound:
