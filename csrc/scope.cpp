@@ -240,7 +240,7 @@ std::shared_ptr<SavedHandle> SavedHandle::passthrough(const at::Tensor& x) {
   return handle;
 }
 
-std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
+std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x, bool capturing) {
   // Profiler ranges (torch.profiler, Chrome/Perfetto traces) name every engine step: docs/design.md, "Tracing".
   RECORD_USER_SCOPE("hsoffload::pack");
   auto handle = SavedHandle::passthrough(x);
@@ -262,6 +262,13 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
     // an nn.Parameter from any leaf that requires grad, such as an embedding
     // output under enable_input_require_grads()).
     const bool device_ok = has_plain_storage(x) && (!x.is_cpu() || config_.offload_cpu_tensors) && x.numel() > 0;
+    // Graph capture: no copy, event, side stream or pinned allocation may happen while the current stream captures
+    // (docs/design.md, "Graph capture"); the tensor stays where it is, in the graph's own memory. Checked before the
+    // record index too: a record packed before the capture must not be shared into the graph.
+    if (device_ok && (capturing || stream_capturing(x.device()))) {  // (M19) no transfer while capturing
+      count(stats_, &OffloadStats::captured_passthrough, 1);
+      return handle;
+    }
     auto span = device_ok ? storage_span(x) : std::make_pair<int64_t, int64_t>(0, 0);
     // The engine checks what it copies from: the span must lie inside the storage's bytes.
     const bool span_ok = device_ok && span.first >= 0 &&
@@ -378,6 +385,11 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
   RECORD_USER_SCOPE("hsoffload::unpack");
   OffloadRecord& record = *handle.record_;
   RestoreState& restore = record.restore;
+  TORCH_CHECK(!stream_capturing(record.source.device),
+              "offload_unpack: this tensor was offloaded to host memory before the graph capture now running on ",
+              record.source.device, "; restoring it would bake a host address into the graph. Capture both the "
+              "forward that saves it and its backward (tensors packed during a capture stay on the device), or "
+              "run this backward outside the capture.");
   std::lock_guard<std::mutex> lock(*record.mutex);
   at::Tensor dev;
   if (auto alive = restore.restored.lock()) {

@@ -64,7 +64,7 @@ at::Tensor& mark_hidden_state(at::Tensor& x) {
   return x;
 }
 
-at::Tensor offload_pack(const at::Tensor& x, int64_t scope) {
+at::Tensor offload_pack(const at::Tensor& x, int64_t scope, bool capturing) {
   TORCH_CHECK_VALUE(scope >= -1, "offload_pack: scope must be an OffloadScope id (>= 0) or -1 for this thread's "
                     "current scope, got ", scope);
   std::shared_ptr<OffloadScope> target;
@@ -76,7 +76,7 @@ at::Tensor offload_pack(const at::Tensor& x, int64_t scope) {
   } else {
     target = OffloadScope::current();
   }
-  return make_handle_tensor(target ? target->pack(x) : SavedHandle::passthrough(x));
+  return make_handle_tensor(target ? target->pack(x, capturing) : SavedHandle::passthrough(x));
 }
 
 at::Tensor offload_unpack(const at::Tensor& handle) {
@@ -134,6 +134,8 @@ void set_pool_limit(int64_t max_bytes) {
   TORCH_CHECK_VALUE(max_bytes >= 0, "set_pool_limit: max_bytes must be >= 0 bytes, got ", max_bytes);
   global_host_pool()->set_limit(max_bytes);
 }
+
+bool engine_detects_capture() { return hsoffload::engine_detects_capture(); }
 
 int64_t pool_limit() { return global_host_pool()->limit(); }
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import current
+from . import capture, current
 from ._logging import log_once
 from .config import OffloadConfig
 from .current import current_scope
@@ -110,6 +110,9 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         select = self._selector
 
         def pack_hook(x: torch.Tensor) -> Any:
+            probe = capture.capture_probe()  # None where the engine tells capture itself (torch >= 2.13)
+            if probe is not None and probe():
+                return pack_op(x, scope_id, True)  # a graph is being captured: x stays where it is
             if type(x) in plain:
                 if select is not None and type(x) is torch.Tensor and select(x):
                     engine.mark(x)
@@ -169,7 +172,8 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             if not select.movable(t):
                 return None  # small, CPU, or a weight a SAC policy keeps a view of (aten.t): it stays where it is
             self._scope.mark(t)
-            return torch.ops.hsoffload.offload_pack(t, self.id)
+            probe = capture.capture_probe()
+            return torch.ops.hsoffload.offload_pack(t, self.id, probe is not None and probe())
 
         return pack_sac_value(value, pack_tensor)
 
@@ -239,6 +243,15 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
 
     def _report_if_ineffective(self) -> None:
         stats = from_engine(OffloadStats, self._scope.stats())  # the engine's counters, whatever a subclass reports
+        if stats.captured_passthrough > 0:
+            log_once(
+                "captured-passthrough",
+                logging.INFO,
+                "hsoffload: %d marked tensors were saved while a graph was being captured (CUDA graphs, "
+                "torch.compile mode='reduce-overhead'); they stayed on the device, in the graph's memory. Offload "
+                "applies to eager and non-captured compiled code only. See scope.stats.captured_passthrough.",
+                stats.captured_passthrough,
+            )
         if stats.kept_on_device_tensors > 0:
             log_once(
                 "kept-on-device",

@@ -32,6 +32,7 @@ class OffloadStats:
     spilled_bytes: int = 0  # their bytes (included in offloaded_bytes)
     spill_read_wait_ns: int = 0  # host time unpack waited for spilled tensors to be read back
     kept_on_device_tensors: int = 0  # marked tensors over the host budget with no spill_dir: left in place
+    captured_passthrough: int = 0  # marked tensors saved during a graph capture (CUDA graphs): left in place
 
 
 @dataclasses.dataclass(frozen=True)

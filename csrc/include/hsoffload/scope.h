@@ -122,8 +122,10 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // True if packing `x` now would find a mark (the tensor itself or an alias, see marks.h). Lets a caller that
   // unwraps tensor subclasses (DTensor) mark the inner tensor it will pack instead.
   bool is_marked(const at::Tensor& x);
-  // The pack hook: decides passthrough or offload and starts the copy.
-  std::shared_ptr<SavedHandle> pack(const at::Tensor& x);
+  // The pack hook: decides passthrough or offload and starts the copy. While the current stream is capturing a
+  // graph (`capturing`, the caller's knowledge, or `stream_capturing`) a marked tensor passes through untouched
+  // (counted in captured_passthrough): nothing is copied, allocated, recorded or queried.
+  std::shared_ptr<SavedHandle> pack(const at::Tensor& x, bool capturing = false);
   OffloadStats stats() const;
   // The counters of the spill store this scope writes to (zeros without spill_dir).
   SpillStats spill_stats() const;

@@ -29,7 +29,8 @@ namespace hsoffload {
   X(spilled_tensors, "offloaded tensors that went to spill_dir (over the host budget)")                            \
   X(spilled_bytes, "their bytes (included in offloaded_bytes)")                                                    \
   X(spill_read_wait_ns, "host time unpack waited for spilled tensors to be read back")                             \
-  X(kept_on_device_tensors, "marked tensors over the host budget with no spill_dir: left in place")
+  X(kept_on_device_tensors, "marked tensors over the host budget with no spill_dir: left in place")             \
+  X(captured_passthrough, "marked tensors saved while the current stream was capturing a graph: left in place")
 
 // The process-wide host pool (HostPool::stats()).
 #define HSOFFLOAD_POOL_STATS(X)                                                                                     \
