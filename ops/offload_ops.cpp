@@ -124,7 +124,18 @@ void set_host_budget(int64_t max_bytes) {
   global_host_budget()->set_limit(max_bytes);
 }
 
-c10::Dict<std::string, int64_t> budget_stats() { return to_dict(global_host_budget()->stats()); }
+c10::Dict<std::string, int64_t> budget_stats() {
+  BudgetStats s = global_host_budget()->stats();
+  const PoolStats pool = global_host_pool()->stats();
+  s.host_bytes = pool.held_bytes + pool.unpooled_bytes;  // the same bytes pool_stats() reports
+  return to_dict(s);
+}
+
+int64_t reserve_host(int64_t bytes, bool pinned) {
+  TORCH_CHECK_VALUE(bytes >= 0, "reserve_host: bytes must be >= 0, got ", bytes,
+                    "; pass the host bytes a step will offload (hsoffload plan prints them)");
+  return global_host_pool()->reserve(bytes, pinned);
+}
 
 c10::Dict<std::string, int64_t> process_stats() { return to_dict(hsoffload::process_stats()); }
 

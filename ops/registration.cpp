@@ -41,6 +41,9 @@ TORCH_LIBRARY(hsoffload, m) {
       .def_static("set_pool_limit", &set_pool_limit)
       .def_static("pool_limit", &pool_limit)
       .def_static("empty_pool", &empty_pool)
+      // Makes `bytes` bytes (pinned: for accelerator copies) free in the pool now, before the first step, so packs
+      // do not allocate; returns the pool's free bytes of that kind (less only where the pool limit stops it).
+      .def_static("reserve_host", &reserve_host)
       // The process-wide host budget: bytes >= 0, or -1 for auto (80% of MemAvailable / LOCAL_WORLD_SIZE).
       .def_static("set_host_budget", &set_host_budget)
       // The process-wide host budget (HSOFFLOAD_BUDGET_STATS; an auto limit is resolved by the first call).

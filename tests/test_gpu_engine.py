@@ -1,8 +1,8 @@
 """GPU checks of the engine's newer rules (skipped without CUDA; tests/conftest.py gives the reason): CUDA graph
-capture under an active scope.
+capture under an active scope, and `reserve_host` (pinned slabs before the first step).
 
 The same behaviours are proved without a GPU on the emulated device (tests/emu/test_capture_emu.py) and on the CPU
-(tests/test_capture.py); here they meet real CUDA graphs and cudaHostAlloc.
+(tests/test_capture.py, tests/test_reserve.py); here they meet real CUDA graphs and cudaHostAlloc.
 """
 
 from __future__ import annotations
@@ -72,3 +72,22 @@ def test_capture_and_replay_a_checkpointed_layer_under_an_active_scope() -> None
         for got, want in zip(static_out, expected):
             assert torch.equal(got, want)
 
+
+
+def test_reserve_host_pins_before_the_first_step_and_the_step_pins_nothing() -> None:
+    hsoffload.empty_pool()
+    need = 4 * 2048 * 1024 * 4  # one float32 hidden state of the layer below
+    assert hsoffload.reserve_host(need) >= need  # pinned: an accelerator is available
+    before = hsoffload.pool_stats()
+    assert before.pinned_bytes >= need
+    torch.manual_seed(0)
+    layer = Block(1024).cuda()
+    x = torch.randn(4, 2048, 1024, device="cuda", requires_grad=True)
+    with OffloadScope(min_offload_size=0) as scope:
+        h = checkpoint(layer, mark(x * 1), use_reentrant=False)
+        h.float().pow(2).mean().backward()
+    torch.cuda.synchronize()
+    after = hsoffload.pool_stats()
+    assert scope.stats.offloaded_tensors >= 1
+    assert after.allocations == before.allocations  # the step took reserved slabs and pinned nothing new
+    assert hsoffload.budget_stats().host_bytes == after.held_bytes + after.unpooled_bytes

@@ -22,7 +22,7 @@ from . import capture, current
 from ._logging import log_once
 from .config import OffloadConfig
 from .current import current_scope
-from .host import apply_host_budget, budget_stats
+from .host import apply_host_budget, budget_stats, reserve_host
 from .layers import LayerStats, LayerTracker, reset_head_state_on_forward
 from .policy import Selector, policy_name, track_module_names
 from .sac import pack_sac_value
@@ -194,6 +194,8 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         if self.config.max_pool_bytes is not None:
             # The host pool is process-wide: the bound applies from this entry on, to every scope.
             torch.classes.hsoffload.OffloadScope.set_pool_limit(self.config.max_pool_bytes)
+        if self.config.reserve_host_bytes:
+            reserve_host(self.config.reserve_host_bytes)  # a no-op once the pool has that much free
         self._scope.enter()
         try:
             self.layer_tracker.reset_entry()  # only once the engine accepted the entry (it refuses a re-entry)

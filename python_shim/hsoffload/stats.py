@@ -48,6 +48,8 @@ class PoolStats:
     unpooled: int = 0
     acquires: int = 0  # blocks handed out
     slabs: int = 0  # slabs held now
+    unpooled_bytes: int = 0  # unpooled blocks lent now (outside held_bytes)
+    pinned_bytes: int = 0  # pinned bytes held for offload now: pinned slabs + pinned unpooled blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,7 @@ class BudgetStats:
     is_auto: bool = True
     mem_available: int = 0  # what "auto" was computed from
     local_world_size: int = 1
+    host_bytes: int = 0  # host bytes the pool holds now (slabs + unpooled blocks); pool_stats() tells the same
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,8 +91,15 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // by a buffer of its own that is freed on return (counted in `unpooled`).
   static std::shared_ptr<HostPool> create(int64_t limit, HostAllocFn alloc = default_host_alloc);
 
-  // Lends `bytes` bytes of host memory (pinned or pageable).
+  // Lends `bytes` bytes of host memory (pinned or pageable). New slabs, if needed, are allocated without holding
+  // the pool's lock (the caller's own locks are its business: the scope grows the pool through `reserve` first).
   HostBlock acquire(int64_t bytes, bool pinned);
+  // Makes at least `bytes` bytes of that kind free in slabs, allocating (and committing) slabs outside the pool's
+  // lock, within the limit; returns the free bytes of that kind now (less than `bytes` only where the limit stops it). The op
+  // `reserve_host`: pins before the first step, so packs do not.
+  int64_t reserve(int64_t bytes, bool pinned);
+  // Free bytes of that kind in slabs now (returned blocks whose device use completed included).
+  int64_t free_bytes(bool pinned);
   PoolStats stats() const;
   // The bound on held_bytes (the op `pool_limit`, Python `max_pool_bytes`).
   int64_t limit() const;
@@ -118,7 +125,17 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
     std::vector<HostBlock::Place> places;
     std::shared_ptr<c10::Event> last_use;
   };
-  void give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use);
+  void give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use, bool pinned);
+  int64_t free_bytes_locked(bool pinned) const;
+  // Lends `need` bytes from free ranges (false: not enough free bytes of that kind).
+  bool serve_locked(int64_t need, bool pinned, HostBlock& block);
+  // Slab sizes that cover `deficit` within the limit (idle slabs of the other kind trimmed first); empty: over it.
+  std::vector<int64_t> grow_sizes_locked(int64_t deficit, bool pinned);
+  // Allocates `sizes` with the lock released (re-taken before returning, also on an exception); `touch`: commit
+  // pageable pages now (reserve), not at the first copy.
+  std::vector<at::Tensor> allocate_unlocked(std::unique_lock<std::mutex>& lock, const std::vector<int64_t>& sizes,
+                                            bool pinned, bool touch);
+  void add_slabs_locked(std::vector<at::Tensor> buffers, bool pinned);
   void free_place_locked(const HostBlock::Place& p);
   void reap_pending_locked();
   // Frees idle slabs (of one kind, pinned or not, if given) until held_bytes <= target_bytes.

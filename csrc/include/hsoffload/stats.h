@@ -42,7 +42,9 @@ namespace hsoffload {
   X(reuses, "blocks served from existing slabs without a new allocation")                                          \
   X(unpooled, "blocks served outside the byte limit (a buffer of their own, freed on return)")                     \
   X(acquires, "blocks lent")                                                                                       \
-  X(slabs, "slabs held now")
+  X(slabs, "slabs held now")                                                                                       \
+  X(unpooled_bytes, "bytes of unpooled blocks lent now (outside held_bytes; granule-rounded)")                     \
+  X(pinned_bytes, "pinned bytes held for offload now: pinned slabs plus pinned unpooled blocks")
 
 // The process-wide host budget (HostBudget::stats()).
 #define HSOFFLOAD_BUDGET_STATS(X)                                                                                   \
@@ -52,7 +54,8 @@ namespace hsoffload {
   X(refused, "reservations that did not fit (spilled or kept on the device)")                                      \
   X(is_auto, "1: the limit came from compute_auto_budget()")                                                       \
   X(mem_available, "MemAvailable (bytes) the last auto limit was computed from; 0 if none was")                    \
-  X(local_world_size, "LOCAL_WORLD_SIZE the auto limit was divided by")
+  X(local_world_size, "LOCAL_WORLD_SIZE the auto limit was divided by")                                          \
+  X(host_bytes, "host bytes the pool holds now (slabs + unpooled blocks): where in_flight lives; pool_stats too")
 
 // One spill store (SpillStore::stats()), shared by the scopes that spill to its directory.
 #define HSOFFLOAD_SPILL_STATS(X)                                                                                    \
