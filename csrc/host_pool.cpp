@@ -236,14 +236,16 @@ HostBlock HostPool::acquire(int64_t bytes, bool pinned) {
     // New slabs for what the free ranges cannot cover.
     const std::vector<int64_t> sizes = grow_sizes_locked(need - free_bytes_locked(pinned), pinned);
     if (sizes.empty()) {
-      // Over the bound: a buffer of its own, freed on return.
-      std::vector<at::Tensor> own = allocate_unlocked(lock, {need}, pinned, /*touch=*/false);
+      // Over the bound: a buffer of its own, freed on return. A pinned one is asked for as the power of two the
+      // accelerator's caching host allocator would round it to anyway, so unpooled_bytes counts what it holds.
+      const int64_t own_bytes = pinned ? pow2_ceil(need) : need;
+      std::vector<at::Tensor> own = allocate_unlocked(lock, {own_bytes}, pinned, /*touch=*/false);
       block.extents_.push_back(own.front().narrow(0, 0, bytes));
-      block.places_.push_back(HostBlock::Place{-1, 0, need});
+      block.places_.push_back(HostBlock::Place{-1, 0, own_bytes});
       stats_.allocations += 1;
       stats_.unpooled += 1;
-      stats_.unpooled_bytes += need;
-      if (pinned) stats_.pinned_bytes += need;
+      stats_.unpooled_bytes += own_bytes;
+      if (pinned) stats_.pinned_bytes += own_bytes;
       return block;
     }
     add_slabs_locked(allocate_unlocked(lock, sizes, pinned, /*touch=*/false), pinned);
@@ -327,8 +329,9 @@ void HostPool::reap_pending_locked() {
 // Frees slabs with nothing lent and nothing pending, largest first (fewest frees). Safe without waiting: pinned
 // slabs come from the accelerator's caching host allocator, which records an event for every non-blocking copy
 // and does not reuse a block before that event completes; pageable memory is only copied synchronously.
-void HostPool::trim_locked(int64_t target_bytes, std::optional<bool> only_kind) {
+int64_t HostPool::trim_locked(int64_t target_bytes, std::optional<bool> only_kind) {
   reap_pending_locked();
+  int64_t freed_pinned = 0;
   std::vector<std::pair<int64_t, int64_t>> idle;  // (size, id)
   for (const auto& [id, slab] : slabs_) {
     if (slab.free_bytes == slab.buffer.numel() && (!only_kind || slab.pinned == *only_kind)) {
@@ -338,12 +341,16 @@ void HostPool::trim_locked(int64_t target_bytes, std::optional<bool> only_kind) 
   std::sort(idle.rbegin(), idle.rend());
   for (const auto& [size, id] : idle) {
     if (stats_.held_bytes <= target_bytes) break;
-    if (slabs_.at(id).pinned) stats_.pinned_bytes -= size;
+    if (slabs_.at(id).pinned) {
+      stats_.pinned_bytes -= size;
+      freed_pinned += size;
+    }
     slabs_.erase(id);
     stats_.held_bytes -= size;
     stats_.cached_bytes -= size;
     stats_.slabs -= 1;
   }
+  return freed_pinned;
 }
 
 PoolStats HostPool::stats() const {
@@ -358,9 +365,25 @@ int64_t HostPool::limit() const {
 
 void HostPool::set_limit(int64_t limit) {
   TORCH_CHECK_VALUE(limit >= 0, "HostPool.set_limit: limit must be >= 0 bytes, got ", limit);
-  std::lock_guard<std::mutex> lock(mutex_);
-  limit_ = limit;
-  trim_locked(limit_);
+  int64_t freed_pinned = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    limit_ = limit;
+    freed_pinned = trim_locked(limit_);
+  }
+  if (freed_pinned > 0) {
+    empty_host_cache();  // trimmed pinned slabs go back to the system, not into torch's host cache
+  }
+}
+
+void HostPool::empty_host_cache() {
+  // Pinned slabs come from the accelerator's caching host allocator, which keeps freed blocks cached; hand them
+  // back to the system too. Never in a hook: freeing pinned memory (cudaFreeHost) synchronises the device.
+  if (const auto accelerator = at::getAccelerator(/*checked=*/false)) {
+    if (auto* host = at::getHostAllocator(*accelerator)) {
+      host->empty_cache();
+    }
+  }
 }
 
 void HostPool::empty() {
@@ -368,13 +391,7 @@ void HostPool::empty() {
     std::lock_guard<std::mutex> lock(mutex_);
     trim_locked(0);
   }
-  // Pinned slabs come from the accelerator's caching host allocator, which keeps freed blocks cached; hand them
-  // back to the system too.
-  if (const auto accelerator = at::getAccelerator(/*checked=*/false)) {
-    if (auto* host = at::getHostAllocator(*accelerator)) {
-      host->empty_cache();
-    }
-  }
+  empty_host_cache();
 }
 
 namespace {

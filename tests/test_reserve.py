@@ -135,3 +135,12 @@ def test_axolotl_key_reserves_the_planned_host_bytes() -> None:
     assert offload_config(cfg).reserve_host_bytes == 24 << 30
     with pytest.raises(ValueError, match="hsoffload_reserve_host_bytes"):
         validate_config({"hsoffload_reserve_host_bytes": "auto"})
+
+
+def test_spill_staging_is_reported(tmp_path) -> None:
+    chunk = 8 << 20
+    with OffloadScope(offload_cpu_tensors=True, spill_dir=str(tmp_path)) as scope:
+        staging = scope.spill_stats()["staging_bytes"]
+    # Two I/O threads, one 8 MiB chunk each (pageable here: at most a 4096-byte pad for alignment; pinned chunks
+    # are asked for as exactly 8 MiB, a power of two, so a caching host allocator holds no more).
+    assert 2 * chunk <= staging <= 2 * (chunk + 4096)

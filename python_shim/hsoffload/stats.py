@@ -76,6 +76,7 @@ class SpillStats:
     read_ns: int = 0
     files: int = 0  # spill files open now
     direct_io: int = 0  # 1 if the store writes with O_DIRECT
+    staging_bytes: int = 0  # host bytes of the I/O threads' staging chunks (2 x 8 MiB)
 
 
 def is_snapshot(field: "dataclasses.Field[Any]") -> bool:

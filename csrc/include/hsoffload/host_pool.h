@@ -103,7 +103,8 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   PoolStats stats() const;
   // The bound on held_bytes (the op `pool_limit`, Python `max_pool_bytes`).
   int64_t limit() const;
-  // Changes the bound; slabs with nothing lent above it are freed at once.
+  // Changes the bound; slabs with nothing lent above it are freed at once, and pinned ones returned to the system
+  // (not kept in torch's host cache).
   void set_limit(int64_t limit);
   // Frees every slab with nothing lent, and the accelerator's cached pinned blocks (the op `empty_pool`).
   void empty();
@@ -138,8 +139,11 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   void add_slabs_locked(std::vector<at::Tensor> buffers, bool pinned);
   void free_place_locked(const HostBlock::Place& p);
   void reap_pending_locked();
-  // Frees idle slabs (of one kind, pinned or not, if given) until held_bytes <= target_bytes.
-  void trim_locked(int64_t target_bytes, std::optional<bool> only_kind = std::nullopt);
+  // Frees idle slabs (of one kind, pinned or not, if given) until held_bytes <= target_bytes; returns the pinned
+  // bytes it freed.
+  int64_t trim_locked(int64_t target_bytes, std::optional<bool> only_kind = std::nullopt);
+  // Hands the accelerator's cached pinned blocks back to the system (outside the pool's lock; not in a hook).
+  static void empty_host_cache();
   void take_locked(Slab& slab, int64_t slab_id, int64_t offset, int64_t length, HostBlock& block);
 
   mutable std::mutex mutex_;

@@ -64,7 +64,8 @@ namespace hsoffload {
   X(write_ns, "I/O-thread time spent writing (device copy + pwrite)")                                              \
   X(read_ns, "I/O-thread time spent reading (pread + device copy)")                                                \
   X(files, "spill files open now")                                                                                 \
-  X(direct_io, "1: the last file was opened with O_DIRECT")
+  X(direct_io, "1: the last file was opened with O_DIRECT")                                                       \
+  X(staging_bytes, "host bytes of the I/O threads' staging chunks (pinned: as the host allocator holds them)")
 
 #define HSOFFLOAD_STATS_FIELD(name, doc) int64_t name = 0;
 #define HSOFFLOAD_STATS_PAIR(name, doc) {#name, s.name},
