@@ -1,12 +1,13 @@
 // The host pool (host_pool.h): slabs of host memory, sub-allocated into blocks of granule-rounded extents.
 #include "hsoffload/host_pool.h"
 
+#include "hsoffload/host_budget.h"
+
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
-#include <unistd.h>
 
 #include <algorithm>
 #include <utility>
@@ -363,11 +364,36 @@ int64_t HostPool::limit() const {
   return limit_;
 }
 
+int64_t HostPool::limit_for_budget(int64_t budget_limit) {
+  return budget_limit + std::max(budget_limit / 16, kMinSlab);
+}
+
+void HostPool::follow_budget(int64_t budget_limit) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    follows_budget_ = true;
+  }
+  set_limit_impl(limit_for_budget(budget_limit), /*explicit_limit=*/false);
+}
+
+void HostPool::budget_changed(int64_t budget_limit) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!follows_budget_) return;
+  }
+  set_limit_impl(limit_for_budget(budget_limit), /*explicit_limit=*/false);
+}
+
 void HostPool::set_limit(int64_t limit) {
   TORCH_CHECK_VALUE(limit >= 0, "HostPool.set_limit: limit must be >= 0 bytes, got ", limit);
+  set_limit_impl(limit, /*explicit_limit=*/true);
+}
+
+void HostPool::set_limit_impl(int64_t limit, bool explicit_limit) {
   int64_t freed_pinned = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (explicit_limit) follows_budget_ = false;
     limit_ = limit;
     freed_pinned = trim_locked(limit_);
   }
@@ -394,22 +420,14 @@ void HostPool::empty() {
   empty_host_cache();
 }
 
-namespace {
-int64_t default_pool_limit() {
-  // Half of physical memory: enough for any realistic working set, and it
-  // leaves room for the data loader and the rest of the process.
-  const long pages = sysconf(_SC_PHYS_PAGES);
-  const long page_size = sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page_size <= 0) {
-    return int64_t{16} << 30;
-  }
-  return static_cast<int64_t>(pages) * page_size / 2;
-}
-}  // namespace
-
 std::shared_ptr<HostPool> global_host_pool() {
-  // Function-local static: created once, thread-safe initialisation (C++11).
-  static const std::shared_ptr<HostPool> pool = HostPool::create(default_pool_limit());
+  // Function-local static: created once, thread-safe initialisation (C++11). Its limit follows the process's host
+  // budget (one limit for every host byte held for offload) until set_limit fixes one.
+  static const std::shared_ptr<HostPool> pool = [] {
+    auto p = HostPool::create(0);
+    p->follow_budget(global_host_budget()->stats().limit);
+    return p;
+  }();
   return pool;
 }
 

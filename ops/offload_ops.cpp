@@ -122,6 +122,7 @@ void set_host_budget(int64_t max_bytes) {
   TORCH_CHECK_VALUE(max_bytes >= -1, "set_host_budget: max_bytes must be >= 0 bytes, or -1 for auto (80% of "
                     "MemAvailable / LOCAL_WORLD_SIZE), got ", max_bytes);
   global_host_budget()->set_limit(max_bytes);
+  global_host_pool()->budget_changed(global_host_budget()->stats().limit);  // one limit, unless max_pool_bytes set
 }
 
 c10::Dict<std::string, int64_t> budget_stats() {
@@ -142,8 +143,13 @@ c10::Dict<std::string, int64_t> process_stats() { return to_dict(hsoffload::proc
 c10::Dict<std::string, int64_t> pool_stats() { return to_dict(global_host_pool()->stats()); }
 
 void set_pool_limit(int64_t max_bytes) {
-  TORCH_CHECK_VALUE(max_bytes >= 0, "set_pool_limit: max_bytes must be >= 0 bytes, got ", max_bytes);
-  global_host_pool()->set_limit(max_bytes);
+  TORCH_CHECK_VALUE(max_bytes >= -1, "set_pool_limit: max_bytes must be >= 0 bytes, or -1 to follow the host "
+                    "budget again, got ", max_bytes);
+  if (max_bytes == -1) {
+    global_host_pool()->follow_budget(global_host_budget()->stats().limit);
+  } else {
+    global_host_pool()->set_limit(max_bytes);
+  }
 }
 
 bool engine_detects_capture() { return hsoffload::engine_detects_capture(); }

@@ -39,10 +39,9 @@ class Stack(torch.nn.Module):
 
 @pytest.fixture
 def fresh_pool():
-    limit = hsoffload.host._engine().pool_limit()
     hsoffload.empty_pool()
     yield
-    hsoffload.set_pool_limit(int(limit))
+    hsoffload.set_pool_limit(-1)  # follow the host budget again, as by default
     hsoffload.empty_pool()
 
 
@@ -144,3 +143,21 @@ def test_spill_staging_is_reported(tmp_path) -> None:
     # Two I/O threads, one 8 MiB chunk each (pageable here: at most a 4096-byte pad for alignment; pinned chunks
     # are asked for as exactly 8 MiB, a power of two, so a caching host allocator holds no more).
     assert 2 * chunk <= staging <= 2 * (chunk + 4096)
+
+
+def test_one_limit_the_pool_follows_the_host_budget(fresh_pool) -> None:
+    engine = hsoffload.host._engine()
+    before = hsoffload.budget_stats()
+    try:
+        hsoffload.set_host_budget(64 << 20)
+        assert engine.pool_limit() == (64 << 20) + (4 << 20)  # the budget plus 1/16 slab slack
+        hsoffload.set_host_budget(1 << 30)
+        assert engine.pool_limit() == (1 << 30) + (64 << 20)
+        hsoffload.set_pool_limit(8 << 20)  # an explicit pool bound (max_pool_bytes) stops following
+        hsoffload.set_host_budget(256 << 20)
+        assert engine.pool_limit() == 8 << 20
+        hsoffload.set_pool_limit(-1)
+        assert engine.pool_limit() == (256 << 20) + (16 << 20)
+    finally:
+        hsoffload.set_host_budget("auto" if before.is_auto else before.limit)
+    assert engine.pool_limit() == hsoffload.budget_stats().limit + max(hsoffload.budget_stats().limit // 16, 1 << 20)

@@ -38,7 +38,9 @@ def pool_stats() -> PoolStats:
 
 
 def set_pool_limit(max_pool_bytes: int) -> None:
-    """Bound the process-wide host pool (bytes); idle slabs over the limit are released."""
+    """Bound the process-wide host pool (bytes); idle slabs over the limit are released (pinned ones to the system).
+    By default the pool's bound follows the host budget (`max_host_bytes` plus the slab granularity's 1/16); an
+    explicit bound stops that, and -1 makes it follow the budget again."""
     _engine().set_pool_limit(int(max_pool_bytes))
 
 

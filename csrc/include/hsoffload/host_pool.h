@@ -104,8 +104,15 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // The bound on held_bytes (the op `pool_limit`, Python `max_pool_bytes`).
   int64_t limit() const;
   // Changes the bound; slabs with nothing lent above it are freed at once, and pinned ones returned to the system
-  // (not kept in torch's host cache).
+  // (not kept in torch's host cache). An explicit bound: the pool stops following the budget.
   void set_limit(int64_t limit);
+  // One limit: the bound becomes limit_for_budget(budget_limit) now and follows every later budget_changed() (the
+  // process-wide pool does from its creation), until set_limit fixes one.
+  void follow_budget(int64_t budget_limit);
+  void budget_changed(int64_t budget_limit);
+  // The budget plus the slab granularity's slack (1/16, at least one minimal slab): the pool never holds much more
+  // host memory than the budget lets records reserve.
+  static int64_t limit_for_budget(int64_t budget_limit);
   // Frees every slab with nothing lent, and the accelerator's cached pinned blocks (the op `empty_pool`).
   void empty();
   // Size of the slabs the pool allocates next when it holds `held` bytes and
@@ -127,6 +134,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
     std::shared_ptr<c10::Event> last_use;
   };
   void give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use, bool pinned);
+  void set_limit_impl(int64_t limit, bool explicit_limit);
   int64_t free_bytes_locked(bool pinned) const;
   // Lends `need` bytes from free ranges (false: not enough free bytes of that kind).
   bool serve_locked(int64_t need, bool pinned, HostBlock& block);
@@ -148,6 +156,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
 
   mutable std::mutex mutex_;
   int64_t limit_;
+  bool follows_budget_ = false;
   HostAllocFn alloc_;
   std::map<int64_t, Slab> slabs_;  // by id
   int64_t next_slab_id_ = 0;

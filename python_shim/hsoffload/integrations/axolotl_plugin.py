@@ -9,7 +9,7 @@ In the Axolotl YAML::
     # optional, defaults shown
     hsoffload_min_offload_size: 1024      # bytes; smaller marked tensors stay on the device
     hsoffload_prefetch_depth: 1           # restores issued ahead of their use in backward
-    hsoffload_max_pool_bytes: null        # cap of the pinned host pool (null: unbounded)
+    hsoffload_max_pool_bytes: null        # cap of the pinned host pool (null: follows max_host_bytes)
     hsoffload_max_host_bytes: null        # offloaded bytes in host RAM at once ("64GiB", bytes, or auto:
                                           # 80% of MemAvailable / LOCAL_WORLD_SIZE; null: auto unless set)
     hsoffload_reserve_host_bytes: null    # host bytes pinned before the first step ("24GiB": `hsoffload plan`'s
