@@ -11,7 +11,9 @@
 // not completed is kept aside until its event completes.
 //
 // Thread-safety: every public method of HostPool may be called from any
-// thread; one mutex guards the slabs, the free ranges and the counters. A
+// thread; one mutex guards the slabs, the free ranges and the counters, and is
+// released while new buffers are allocated (pinning is slow and must not
+// block other threads' acquires and returns). A
 // HostBlock is not shared between threads without external synchronisation
 // (the engine only touches a block under its scope's mutex).
 #pragma once

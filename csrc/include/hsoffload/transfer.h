@@ -13,9 +13,9 @@
 // Graph capture (CUDA graphs): none of the entry points below may run while the current stream is capturing (they
 // fork side streams, record and query events, allocate pinned memory). The scope asks `stream_capturing` before
 // it starts a transfer and passes the tensor through instead (docs/design.md, "Graph capture").
-// Where the next changes go: spilling from a host block (host -> file) adds a step here that waits `d2h_done`;
-// pinned allocation outside the scope's lock moves `acquire_host_block` out of the caller's critical section (it
-// is already separate from the copy).
+// Pinned memory: `acquire_host_block` only lends; the scope makes room in the pool (HostPool::reserve) before it
+// takes its lock, so no pinned allocation happens under a lock in the common case (docs/design.md).
+// Where the next change goes: spilling from a host block (host -> file) adds a step here that waits `d2h_done`.
 //
 // Thread-safety: the free functions hold no state (they touch only their arguments, which the caller owns or
 // guards). SideStreams is not thread-safe: its owner (a scope) calls it under its mutex.
