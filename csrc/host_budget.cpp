@@ -94,6 +94,12 @@ bool HostBudget::try_reserve(int64_t bytes, HostLease& lease) {
   return true;
 }
 
+bool HostBudget::fits(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  resolve_locked();
+  return stats_.in_flight + bytes <= stats_.limit;
+}
+
 void HostBudget::give_back(int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.in_flight -= bytes;

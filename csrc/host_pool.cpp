@@ -1,12 +1,13 @@
 // The host pool (host_pool.h): slabs of host memory, sub-allocated into blocks of granule-rounded extents.
 #include "hsoffload/host_pool.h"
 
+#include "hsoffload/host_budget.h"
+
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
-#include <unistd.h>
 
 #include <algorithm>
 #include <utility>
@@ -72,7 +73,7 @@ void HostBlock::release() {
     return;
   }
   if (auto pool = pool_.lock()) {
-    pool->give_back(std::move(places_), std::move(last_use_));
+    pool->give_back(std::move(places_), std::move(last_use_), pinned_);
   }
   extents_.clear();  // after give_back: an unpooled buffer is freed here, a slab lives on in the pool
   places_.clear();
@@ -110,23 +111,20 @@ void HostPool::take_locked(Slab& slab, int64_t slab_id, int64_t offset, int64_t 
   block.places_.push_back(HostBlock::Place{slab_id, offset, length});
 }
 
-HostBlock HostPool::acquire(int64_t bytes, bool pinned) {
-  TORCH_CHECK_VALUE(bytes > 0, "HostPool.acquire: bytes must be > 0, got ", bytes);
-  const int64_t need = round_up(bytes, kGranule);
-  HostBlock block;
-  block.bytes_ = bytes;
-  block.pinned_ = pinned;
-  block.pool_ = weak_from_this();
-  std::lock_guard<std::mutex> lock(mutex_);
-  stats_.acquires += 1;
-  reap_pending_locked();
+int64_t HostPool::free_bytes_locked(bool pinned) const {
+  int64_t total = 0;
+  for (const auto& [id, slab] : slabs_) {
+    if (slab.pinned == pinned) total += slab.free_bytes;
+  }
+  return total;
+}
+
+bool HostPool::serve_locked(int64_t need, bool pinned, HostBlock& block) {
   // One extent if a free range is large enough (best fit: the smallest such range).
   Slab* best = nullptr;
   int64_t best_id = -1, best_offset = 0, best_length = 0;
-  int64_t free_total = 0;
   for (auto& [id, slab] : slabs_) {
     if (slab.pinned != pinned) continue;
-    free_total += slab.free_bytes;
     for (const auto& [offset, length] : slab.free) {
       if (length >= need && (best == nullptr || length < best_length)) {
         best = &slab, best_id = id, best_offset = offset, best_length = length;
@@ -135,68 +133,145 @@ HostBlock HostPool::acquire(int64_t bytes, bool pinned) {
   }
   if (best != nullptr) {
     take_locked(*best, best_id, best_offset, need, block);
-    stats_.reuses += 1;
-    stats_.in_use_bytes += need;
-    stats_.cached_bytes -= need;
-    return block;
-  }
-  // Otherwise new slabs for what the free ranges cannot cover, then the largest ranges first (fewest extents).
-  const int64_t deficit = std::max<int64_t>(0, need - free_total);
-  std::vector<int64_t> sizes;
-  if (deficit > 0) {
-    const int64_t unit = slab_size(stats_.held_bytes, deficit);
-    for (int64_t left = deficit; left > 0; left -= sizes.back()) {
-      sizes.push_back(left >= unit ? unit : std::min(unit, std::max(kMinSlab, pow2_ceil(left))));
-    }
-    int64_t new_bytes = 0;
-    for (int64_t s : sizes) new_bytes += s;
-    if (stats_.held_bytes + new_bytes > limit_) {
-      trim_locked(std::max<int64_t>(0, limit_ - new_bytes), /*only_kind=*/!pinned);  // idle slabs of the other kind
-    }
-    if (stats_.held_bytes + new_bytes > limit_) {
-      // Over the bound: a buffer of its own, freed on return.
-      block.extents_.push_back(alloc_(need, pinned).narrow(0, 0, bytes));
-      block.places_.push_back(HostBlock::Place{-1, 0, need});
-      stats_.allocations += 1;
-      stats_.unpooled += 1;
-      return block;
-    }
-    for (int64_t s : sizes) {
-      Slab slab;
-      slab.buffer = alloc_(s, pinned);
-      slab.pinned = pinned;
-      slab.free.emplace(0, s);
-      slab.free_bytes = s;
-      slabs_.emplace(next_slab_id_++, std::move(slab));
-      stats_.allocations += 1;
-      stats_.slabs += 1;
-      stats_.held_bytes += s;
-      stats_.cached_bytes += s;
-    }
-    stats_.peak_held_bytes = std::max(stats_.peak_held_bytes, stats_.held_bytes);
   } else {
-    stats_.reuses += 1;
+    if (free_bytes_locked(pinned) < need) {
+      return false;
+    }
+    // Otherwise the largest ranges first (fewest extents).
+    struct Range {
+      int64_t length, slab, offset;
+    };
+    std::vector<Range> ranges;
+    for (auto& [id, slab] : slabs_) {
+      if (slab.pinned != pinned) continue;
+      for (const auto& [offset, length] : slab.free) ranges.push_back(Range{length, id, offset});
+    }
+    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.length > b.length; });
+    int64_t left = need;
+    for (const auto& r : ranges) {
+      if (left == 0) break;
+      const int64_t take = std::min(left, r.length);
+      take_locked(slabs_.at(r.slab), r.slab, r.offset, take, block);
+      left -= take;
+    }
+    TORCH_INTERNAL_ASSERT(left == 0);
   }
-  struct Range {
-    int64_t length, slab, offset;
-  };
-  std::vector<Range> ranges;
-  for (auto& [id, slab] : slabs_) {
-    if (slab.pinned != pinned) continue;
-    for (const auto& [offset, length] : slab.free) ranges.push_back(Range{length, id, offset});
-  }
-  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.length > b.length; });
-  int64_t left = need;
-  for (const auto& r : ranges) {
-    if (left == 0) break;
-    const int64_t take = std::min(left, r.length);
-    take_locked(slabs_.at(r.slab), r.slab, r.offset, take, block);
-    left -= take;
-  }
-  TORCH_INTERNAL_ASSERT(left == 0);
   stats_.in_use_bytes += need;
   stats_.cached_bytes -= need;
-  return block;
+  return true;
+}
+
+std::vector<int64_t> HostPool::grow_sizes_locked(int64_t deficit, bool pinned) {
+  std::vector<int64_t> sizes;
+  const int64_t unit = slab_size(stats_.held_bytes, deficit);
+  for (int64_t left = deficit; left > 0; left -= sizes.back()) {
+    sizes.push_back(left >= unit ? unit : std::min(unit, std::max(kMinSlab, pow2_ceil(left))));
+  }
+  int64_t new_bytes = 0;
+  for (int64_t s : sizes) new_bytes += s;
+  if (stats_.held_bytes + new_bytes > limit_) {
+    trim_locked(std::max<int64_t>(0, limit_ - new_bytes), /*only_kind=*/!pinned);  // idle slabs of the other kind
+  }
+  if (stats_.held_bytes + new_bytes > limit_) {
+    sizes.clear();  // over the bound
+  }
+  return sizes;
+}
+
+void HostPool::add_slabs_locked(std::vector<at::Tensor> buffers, bool pinned) {
+  for (at::Tensor& buffer : buffers) {
+    const int64_t s = buffer.numel();
+    Slab slab;
+    slab.buffer = std::move(buffer);
+    slab.pinned = pinned;
+    slab.free.emplace(0, s);
+    slab.free_bytes = s;
+    slabs_.emplace(next_slab_id_++, std::move(slab));
+    stats_.allocations += 1;
+    stats_.slabs += 1;
+    stats_.held_bytes += s;
+    stats_.cached_bytes += s;
+    if (pinned) stats_.pinned_bytes += s;
+  }
+  stats_.peak_held_bytes = std::max(stats_.peak_held_bytes, stats_.held_bytes);
+}
+
+std::vector<at::Tensor> HostPool::allocate_unlocked(std::unique_lock<std::mutex>& lock,
+                                                    const std::vector<int64_t>& sizes, bool pinned, bool touch) {
+  // Pinned allocation costs ~0.1-0.3 s per GiB and serialises the device's streams: never under the pool's lock
+  // (docs/design.md, "Pinned memory out of the hot path"). Another thread may use the new slabs first; callers loop.
+  lock.unlock();
+  std::vector<at::Tensor> buffers;
+  buffers.reserve(sizes.size());
+  try {
+    for (int64_t s : sizes) {
+      buffers.push_back(alloc_(s, pinned));
+      // Pageable memory is committed at first touch (page faults during the first copies); pinned memory is
+      // committed by the pinning itself.
+      if (touch && !pinned) buffers.back().zero_();
+    }
+  } catch (...) {
+    lock.lock();
+    throw;
+  }
+  lock.lock();
+  return buffers;
+}
+
+HostBlock HostPool::acquire(int64_t bytes, bool pinned) {
+  TORCH_CHECK_VALUE(bytes > 0, "HostPool.acquire: bytes must be > 0, got ", bytes);
+  const int64_t need = round_up(bytes, kGranule);
+  HostBlock block;
+  block.bytes_ = bytes;
+  block.pinned_ = pinned;
+  block.pool_ = weak_from_this();
+  std::unique_lock<std::mutex> lock(mutex_);
+  stats_.acquires += 1;
+  bool grew = false;
+  for (;;) {
+    reap_pending_locked();
+    if (serve_locked(need, pinned, block)) {
+      if (!grew) stats_.reuses += 1;
+      return block;
+    }
+    // New slabs for what the free ranges cannot cover.
+    const std::vector<int64_t> sizes = grow_sizes_locked(need - free_bytes_locked(pinned), pinned);
+    if (sizes.empty()) {
+      // Over the bound: a buffer of its own, freed on return. A pinned one is asked for as the power of two the
+      // accelerator's caching host allocator would round it to anyway, so unpooled_bytes counts what it holds.
+      const int64_t own_bytes = pinned ? pow2_ceil(need) : need;
+      std::vector<at::Tensor> own = allocate_unlocked(lock, {own_bytes}, pinned, /*touch=*/false);
+      block.extents_.push_back(own.front().narrow(0, 0, bytes));
+      block.places_.push_back(HostBlock::Place{-1, 0, own_bytes});
+      stats_.allocations += 1;
+      stats_.unpooled += 1;
+      stats_.unpooled_bytes += own_bytes;
+      if (pinned) stats_.pinned_bytes += own_bytes;
+      return block;
+    }
+    add_slabs_locked(allocate_unlocked(lock, sizes, pinned, /*touch=*/false), pinned);
+    grew = true;
+  }
+}
+
+int64_t HostPool::free_bytes(bool pinned) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reap_pending_locked();
+  return free_bytes_locked(pinned);
+}
+
+int64_t HostPool::reserve(int64_t bytes, bool pinned) {
+  TORCH_CHECK_VALUE(bytes >= 0, "reserve_host: bytes must be >= 0, got ", bytes);
+  const int64_t want = round_up(bytes, kGranule);
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    reap_pending_locked();
+    const int64_t have = free_bytes_locked(pinned);
+    if (have >= want) return have;
+    const std::vector<int64_t> sizes = grow_sizes_locked(want - have, pinned);
+    if (sizes.empty()) return have;  // the pool's bound: what it could hold
+    add_slabs_locked(allocate_unlocked(lock, sizes, pinned, /*touch=*/true), pinned);
+  }
 }
 
 void HostPool::free_place_locked(const HostBlock::Place& e) {
@@ -221,10 +296,13 @@ void HostPool::free_place_locked(const HostBlock::Place& e) {
   slab.free_bytes += e.length;
 }
 
-void HostPool::give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use) {
+void HostPool::give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use, bool pinned) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (places.size() == 1 && places[0].slab < 0) {
-    return;  // unpooled: the caller drops the buffer (the host allocator keeps pending copies safe)
+    // Unpooled: the caller drops the buffer (the host allocator keeps pending copies safe).
+    stats_.unpooled_bytes -= places[0].length;
+    if (pinned) stats_.pinned_bytes -= places[0].length;
+    return;
   }
   int64_t total = 0;
   for (const auto& e : places) total += e.length;
@@ -252,8 +330,9 @@ void HostPool::reap_pending_locked() {
 // Frees slabs with nothing lent and nothing pending, largest first (fewest frees). Safe without waiting: pinned
 // slabs come from the accelerator's caching host allocator, which records an event for every non-blocking copy
 // and does not reuse a block before that event completes; pageable memory is only copied synchronously.
-void HostPool::trim_locked(int64_t target_bytes, std::optional<bool> only_kind) {
+int64_t HostPool::trim_locked(int64_t target_bytes, std::optional<bool> only_kind) {
   reap_pending_locked();
+  int64_t freed_pinned = 0;
   std::vector<std::pair<int64_t, int64_t>> idle;  // (size, id)
   for (const auto& [id, slab] : slabs_) {
     if (slab.free_bytes == slab.buffer.numel() && (!only_kind || slab.pinned == *only_kind)) {
@@ -263,11 +342,16 @@ void HostPool::trim_locked(int64_t target_bytes, std::optional<bool> only_kind) 
   std::sort(idle.rbegin(), idle.rend());
   for (const auto& [size, id] : idle) {
     if (stats_.held_bytes <= target_bytes) break;
+    if (slabs_.at(id).pinned) {
+      stats_.pinned_bytes -= size;
+      freed_pinned += size;
+    }
     slabs_.erase(id);
     stats_.held_bytes -= size;
     stats_.cached_bytes -= size;
     stats_.slabs -= 1;
   }
+  return freed_pinned;
 }
 
 PoolStats HostPool::stats() const {
@@ -280,20 +364,47 @@ int64_t HostPool::limit() const {
   return limit_;
 }
 
-void HostPool::set_limit(int64_t limit) {
-  TORCH_CHECK_VALUE(limit >= 0, "HostPool.set_limit: limit must be >= 0 bytes, got ", limit);
-  std::lock_guard<std::mutex> lock(mutex_);
-  limit_ = limit;
-  trim_locked(limit_);
+int64_t HostPool::limit_for_budget(int64_t budget_limit) {
+  return budget_limit + std::max(budget_limit / 16, kMinSlab);
 }
 
-void HostPool::empty() {
+void HostPool::follow_budget(int64_t budget_limit) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    trim_locked(0);
+    follows_budget_ = true;
   }
+  set_limit_impl(limit_for_budget(budget_limit), /*explicit_limit=*/false);
+}
+
+void HostPool::budget_changed(int64_t budget_limit) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!follows_budget_) return;
+  }
+  set_limit_impl(limit_for_budget(budget_limit), /*explicit_limit=*/false);
+}
+
+void HostPool::set_limit(int64_t limit) {
+  TORCH_CHECK_VALUE(limit >= 0, "HostPool.set_limit: limit must be >= 0 bytes, got ", limit);
+  set_limit_impl(limit, /*explicit_limit=*/true);
+}
+
+void HostPool::set_limit_impl(int64_t limit, bool explicit_limit) {
+  int64_t freed_pinned = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (explicit_limit) follows_budget_ = false;
+    limit_ = limit;
+    freed_pinned = trim_locked(limit_);
+  }
+  if (freed_pinned > 0) {
+    empty_host_cache();  // trimmed pinned slabs go back to the system, not into torch's host cache
+  }
+}
+
+void HostPool::empty_host_cache() {
   // Pinned slabs come from the accelerator's caching host allocator, which keeps freed blocks cached; hand them
-  // back to the system too.
+  // back to the system too. Never in a hook: freeing pinned memory (cudaFreeHost) synchronises the device.
   if (const auto accelerator = at::getAccelerator(/*checked=*/false)) {
     if (auto* host = at::getHostAllocator(*accelerator)) {
       host->empty_cache();
@@ -301,22 +412,22 @@ void HostPool::empty() {
   }
 }
 
-namespace {
-int64_t default_pool_limit() {
-  // Half of physical memory: enough for any realistic working set, and it
-  // leaves room for the data loader and the rest of the process.
-  const long pages = sysconf(_SC_PHYS_PAGES);
-  const long page_size = sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page_size <= 0) {
-    return int64_t{16} << 30;
+void HostPool::empty() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    trim_locked(0);
   }
-  return static_cast<int64_t>(pages) * page_size / 2;
+  empty_host_cache();
 }
-}  // namespace
 
 std::shared_ptr<HostPool> global_host_pool() {
-  // Function-local static: created once, thread-safe initialisation (C++11).
-  static const std::shared_ptr<HostPool> pool = HostPool::create(default_pool_limit());
+  // Function-local static: created once, thread-safe initialisation (C++11). Its limit follows the process's host
+  // budget (one limit for every host byte held for offload) until set_limit fixes one.
+  static const std::shared_ptr<HostPool> pool = [] {
+    auto p = HostPool::create(0);
+    p->follow_budget(global_host_budget()->stats().limit);
+    return p;
+  }();
   return pool;
 }
 

@@ -240,18 +240,35 @@ std::shared_ptr<SavedHandle> SavedHandle::passthrough(const at::Tensor& x) {
   return handle;
 }
 
-std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
+std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x, bool capturing) {
   // Profiler ranges (torch.profiler, Chrome/Perfetto traces) name every engine step: docs/design.md, "Tracing".
   RECORD_USER_SCOPE("hsoffload::pack");
   auto handle = SavedHandle::passthrough(x);
   handle->scope_ = shared_from_this();
-  std::lock_guard<std::mutex> lock(*mutex_);
+  HostNeed need;
+  {
+    std::lock_guard<std::mutex> lock(*mutex_);
+    need = pack_locked(x, capturing, *handle, /*first=*/true);
+  }
+  if (need.bytes > 0) {
+    // The pool has no room for this copy: grow it here, holding no lock (a pinned allocation costs ~0.1-0.3 s per
+    // GiB; other threads' packs and unpacks go on meanwhile), then decide again. hsoffload.reserve_host does this
+    // before the first step, so packs normally never get here.
+    pool_->reserve(need.bytes, need.pinned);
+    std::lock_guard<std::mutex> lock(*mutex_);
+    pack_locked(x, capturing, *handle, /*first=*/false);
+  }
+  return handle;
+}
+
+OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool capturing, SavedHandle& out, bool first) {
+  SavedHandle* const handle = &out;
   if (spill_) {
     // A spill write of this scope failed on an I/O thread since the last pack: fail the step here, in forward.
     const std::string error = spill_errors_->take();
     TORCH_CHECK(error.empty(), error);
   }
-  count(stats_, &OffloadStats::saved_tensors_seen, 1);
+  if (first) count(stats_, &OffloadStats::saved_tensors_seen, 1);
   Mark* mark = x.defined() && !marks_.empty() ? marks_.find(x) : nullptr;
   if (mark != nullptr) {
     if (!mark->counted) {
@@ -262,6 +279,13 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
     // an nn.Parameter from any leaf that requires grad, such as an embedding
     // output under enable_input_require_grads()).
     const bool device_ok = has_plain_storage(x) && (!x.is_cpu() || config_.offload_cpu_tensors) && x.numel() > 0;
+    // Graph capture: no copy, event, side stream or pinned allocation may happen while the current stream captures
+    // (docs/design.md, "Graph capture"); the tensor stays where it is, in the graph's own memory. Checked before the
+    // record index too: a record packed before the capture must not be shared into the graph.
+    if (device_ok && (capturing || stream_capturing(x.device()))) {  // (M19) no transfer while capturing
+      count(stats_, &OffloadStats::captured_passthrough, 1);
+      return {};
+    }
     auto span = device_ok ? storage_span(x) : std::make_pair<int64_t, int64_t>(0, 0);
     // The engine checks what it copies from: the span must lie inside the storage's bytes.
     const bool span_ok = device_ok && span.first >= 0 &&
@@ -277,12 +301,16 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
                      (x_begin - record->source.begin) % static_cast<int64_t>(x.element_size()) != 0)) {
         record = nullptr;  // same storage but new contents (or misaligned for this dtype): copy again
       }
+      HostNeed need;
       if (!record) {
-        record = offload_locked(x, span.first, span.second);
+        record = offload_locked(x, span.first, span.second, first ? &need : nullptr);
+      }
+      if (need.bytes > 0) {
+        return need;  // pack() grows the pool holding no lock, then comes back
       }
       if (!record) {
         count(stats_, &OffloadStats::kept_on_device_tensors, 1);  // over the host budget, no spill tier
-        return handle;
+        return {};
       }
       handle->passthrough_ = at::Tensor();  // the record replaces the device tensor
       handle->record_ = std::move(record);
@@ -294,18 +322,26 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x) {
       handle->offset_in_span_ =
           (x.storage_offset() * static_cast<int64_t>(x.element_size()) - handle->record_->source.begin) /
           static_cast<int64_t>(x.element_size());
-      return handle;
+      return {};
     }
     count(stats_, &OffloadStats::skipped_marked_tensors, 1);
   }
-  return handle;
+  return {};
 }
 
-std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x, int64_t begin, int64_t end) {
-  auto record = std::make_shared<OffloadRecord>();
+std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x, int64_t begin, int64_t end,
+                                                            HostNeed* defer) {
   const int64_t bytes = end - begin;
-  const bool in_budget = budget_->try_reserve((bytes + HostPool::kGranule - 1) / HostPool::kGranule *
-                                                  HostPool::kGranule, record->copy.lease);
+  const int64_t granted = (bytes + HostPool::kGranule - 1) / HostPool::kGranule * HostPool::kGranule;
+  if (defer != nullptr && budget_->fits(granted)) {
+    const bool pinned = !x.device().is_cpu() && config_.pin_memory;
+    if (pool_->free_bytes(pinned) < granted) {
+      *defer = HostNeed{granted, pinned};  // never allocate (pin) host memory under the scope's lock
+      return nullptr;
+    }
+  }
+  auto record = std::make_shared<OffloadRecord>();
+  const bool in_budget = budget_->try_reserve(granted, record->copy.lease);
   if (!in_budget && !spill_) {
     return nullptr;
   }
@@ -378,6 +414,11 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
   RECORD_USER_SCOPE("hsoffload::unpack");
   OffloadRecord& record = *handle.record_;
   RestoreState& restore = record.restore;
+  TORCH_CHECK(!stream_capturing(record.source.device),
+              "offload_unpack: this tensor was offloaded to host memory before the graph capture now running on ",
+              record.source.device, "; restoring it would bake a host address into the graph. Capture both the "
+              "forward that saves it and its backward (tensors packed during a capture stay on the device), or "
+              "run this backward outside the capture.");
   std::lock_guard<std::mutex> lock(*record.mutex);
   at::Tensor dev;
   if (auto alive = restore.restored.lock()) {

@@ -72,10 +72,22 @@ bool accelerator_usable() {
   return accelerator.has_value() && at::globalContext().getAcceleratorHooksInterface(*accelerator).isAvailable();
 }
 
-// One 4096-aligned chunk of `bytes` inside a slightly larger buffer.
-at::Tensor aligned_chunk(int64_t bytes, bool pinned) {
-  at::Tensor raw =
-      at::empty({bytes + kBlock}, at::TensorOptions().dtype(at::kByte).device(at::kCPU).pinned_memory(pinned));
+// One 4096-aligned chunk of `bytes` (a power of two); `held` := the host bytes it costs. Asked for exactly `bytes`
+// first: the accelerators' caching host allocators round a pinned request up to a power of two, so the padded
+// `bytes + 4096` cost twice `bytes` (16 MiB per 8 MiB chunk). Pinned blocks are page-aligned; only a misaligned
+// buffer is replaced by a padded one.
+at::Tensor aligned_chunk(int64_t bytes, bool pinned, int64_t& held) {
+  const auto options = at::TensorOptions().dtype(at::kByte).device(at::kCPU).pinned_memory(pinned);
+  at::Tensor raw = at::empty({bytes}, options);
+  if (reinterpret_cast<uintptr_t>(raw.data_ptr()) % kBlock != 0) {
+    raw = at::empty({bytes + kBlock}, options);
+  }
+  held = raw.numel();
+  if (pinned) {
+    int64_t rounded = 1;
+    while (rounded < held) rounded *= 2;
+    held = rounded;
+  }
   const auto addr = reinterpret_cast<uintptr_t>(raw.data_ptr());
   const int64_t skip = static_cast<int64_t>((kBlock - addr % kBlock) % kBlock);
   return raw.narrow(0, skip, bytes);
@@ -191,7 +203,9 @@ std::shared_ptr<SpillStore> SpillStore::open(const std::string& dir, bool pinned
 
 SpillStore::SpillStore(std::string dir, bool pinned_staging) : dir_(std::move(dir)) {
   for (int64_t i = 0; i < kIoThreads; ++i) {
-    staging_.push_back(aligned_chunk(kChunkBytes, pinned_staging));
+    int64_t held = 0;
+    staging_.push_back(aligned_chunk(kChunkBytes, pinned_staging, held));
+    stats_.staging_bytes += held;
   }
   for (int64_t i = 0; i < kIoThreads; ++i) {
     threads_.emplace_back([this, i] { worker(static_cast<int>(i)); });

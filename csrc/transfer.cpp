@@ -8,8 +8,41 @@
 #include <c10/util/Exception.h>
 
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 namespace hsoffload {
+
+namespace {
+
+// torch >= 2.13 declares DeviceGuardImplInterface::isStreamCapturing (the CUDA guard answers it; other backends
+// say false); torch 2.11 has no device-generic query. Detected by signature, not by version number.
+template <class Impl, class = void>
+struct HasIsStreamCapturing : std::false_type {};
+template <class Impl>
+struct HasIsStreamCapturing<Impl, std::void_t<decltype(std::declval<const Impl&>().isStreamCapturing(
+                                      std::declval<const c10::Stream&>()))>> : std::true_type {};
+
+template <class Impl>
+bool ask_capturing(const Impl& impl, const c10::Stream& stream) {
+  if constexpr (HasIsStreamCapturing<Impl>::value) {
+    return impl.isStreamCapturing(stream);
+  } else {
+    return false;
+  }
+}
+
+}  // namespace
+
+bool engine_detects_capture() { return HasIsStreamCapturing<c10::impl::VirtualGuardImpl>::value; }
+
+bool stream_capturing(c10::Device device) {
+  if (device.is_cpu()) {
+    return false;
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  return ask_capturing(impl, impl.getStream(device));
+}
 
 c10::Stream SideStreams::for_copy(c10::Device device, Direction direction, c10::Stream compute) {
   if (!enabled_) {

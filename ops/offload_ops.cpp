@@ -64,7 +64,7 @@ at::Tensor& mark_hidden_state(at::Tensor& x) {
   return x;
 }
 
-at::Tensor offload_pack(const at::Tensor& x, int64_t scope) {
+at::Tensor offload_pack(const at::Tensor& x, int64_t scope, bool capturing) {
   TORCH_CHECK_VALUE(scope >= -1, "offload_pack: scope must be an OffloadScope id (>= 0) or -1 for this thread's "
                     "current scope, got ", scope);
   std::shared_ptr<OffloadScope> target;
@@ -76,7 +76,7 @@ at::Tensor offload_pack(const at::Tensor& x, int64_t scope) {
   } else {
     target = OffloadScope::current();
   }
-  return make_handle_tensor(target ? target->pack(x) : SavedHandle::passthrough(x));
+  return make_handle_tensor(target ? target->pack(x, capturing) : SavedHandle::passthrough(x));
 }
 
 at::Tensor offload_unpack(const at::Tensor& handle) {
@@ -122,18 +122,37 @@ void set_host_budget(int64_t max_bytes) {
   TORCH_CHECK_VALUE(max_bytes >= -1, "set_host_budget: max_bytes must be >= 0 bytes, or -1 for auto (80% of "
                     "MemAvailable / LOCAL_WORLD_SIZE), got ", max_bytes);
   global_host_budget()->set_limit(max_bytes);
+  global_host_pool()->budget_changed(global_host_budget()->stats().limit);  // one limit, unless max_pool_bytes set
 }
 
-c10::Dict<std::string, int64_t> budget_stats() { return to_dict(global_host_budget()->stats()); }
+c10::Dict<std::string, int64_t> budget_stats() {
+  BudgetStats s = global_host_budget()->stats();
+  const PoolStats pool = global_host_pool()->stats();
+  s.host_bytes = pool.held_bytes + pool.unpooled_bytes;  // the same bytes pool_stats() reports
+  return to_dict(s);
+}
+
+int64_t reserve_host(int64_t bytes, bool pinned) {
+  TORCH_CHECK_VALUE(bytes >= 0, "reserve_host: bytes must be >= 0, got ", bytes,
+                    "; pass the host bytes a step will offload (hsoffload plan prints them)");
+  return global_host_pool()->reserve(bytes, pinned);
+}
 
 c10::Dict<std::string, int64_t> process_stats() { return to_dict(hsoffload::process_stats()); }
 
 c10::Dict<std::string, int64_t> pool_stats() { return to_dict(global_host_pool()->stats()); }
 
 void set_pool_limit(int64_t max_bytes) {
-  TORCH_CHECK_VALUE(max_bytes >= 0, "set_pool_limit: max_bytes must be >= 0 bytes, got ", max_bytes);
-  global_host_pool()->set_limit(max_bytes);
+  TORCH_CHECK_VALUE(max_bytes >= -1, "set_pool_limit: max_bytes must be >= 0 bytes, or -1 to follow the host "
+                    "budget again, got ", max_bytes);
+  if (max_bytes == -1) {
+    global_host_pool()->follow_budget(global_host_budget()->stats().limit);
+  } else {
+    global_host_pool()->set_limit(max_bytes);
+  }
 }
+
+bool engine_detects_capture() { return hsoffload::engine_detects_capture(); }
 
 int64_t pool_limit() { return global_host_pool()->limit(); }
 

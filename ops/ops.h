@@ -18,7 +18,7 @@
 namespace hsoffload::ops {
 
 at::Tensor& mark_hidden_state(at::Tensor& x);
-at::Tensor offload_pack(const at::Tensor& x, int64_t scope);
+at::Tensor offload_pack(const at::Tensor& x, int64_t scope, bool capturing);
 at::Tensor offload_unpack(const at::Tensor& handle);
 
 c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
@@ -35,6 +35,8 @@ c10::Dict<std::string, int64_t> process_stats();
 c10::Dict<std::string, int64_t> pool_stats();
 void set_pool_limit(int64_t max_bytes);
 int64_t pool_limit();
+bool engine_detects_capture();
+int64_t reserve_host(int64_t bytes, bool pinned);
 void empty_pool();
 
 // Defined in skip_init_ops.cpp (FSDP RAM-efficient loading); the

@@ -41,10 +41,16 @@ TORCH_LIBRARY(hsoffload, m) {
       .def_static("set_pool_limit", &set_pool_limit)
       .def_static("pool_limit", &pool_limit)
       .def_static("empty_pool", &empty_pool)
+      // Makes `bytes` bytes (pinned: for accelerator copies) free in the pool now, before the first step, so packs
+      // do not allocate; returns the pool's free bytes of that kind (less only where the pool limit stops it).
+      .def_static("reserve_host", &reserve_host)
       // The process-wide host budget: bytes >= 0, or -1 for auto (80% of MemAvailable / LOCAL_WORLD_SIZE).
       .def_static("set_host_budget", &set_host_budget)
       // The process-wide host budget (HSOFFLOAD_BUDGET_STATS; an auto limit is resolved by the first call).
-      .def_static("budget_stats", &budget_stats);
+      .def_static("budget_stats", &budget_stats)
+      // True if the engine tells graph capture itself (torch >= 2.13's device guard); false: the caller passes
+      // offload_pack's `capturing` flag.
+      .def_static("engine_detects_capture", &engine_detects_capture);
 
   // Returns x itself; marks x for offload when autograd saves it while an
   // offload scope is active on this thread (no-op without one).
@@ -57,8 +63,10 @@ TORCH_LIBRARY(hsoffload, m) {
   // The pack hook: decides passthrough or offload for x, starts the copy and
   // returns a handle tensor (0-element uint8, owns the saved data; see
   // holders.h). `scope` is an OffloadScope id; -1: this thread's current scope,
-  // and with none, x is kept as is.
-  m.def("offload_pack(Tensor x, int scope=-1) -> Tensor", &offload_pack);
+  // and with none, x is kept as is. `capturing`: the caller knows the current
+  // stream is capturing a graph (the engine cannot tell on torch < 2.13): x
+  // passes through, counted in captured_passthrough.
+  m.def("offload_pack(Tensor x, int scope=-1, bool capturing=False) -> Tensor", &offload_pack);
 
   // The unpack hook: returns a tensor bit-identical to what was packed (the
   // current stream waits on the restore's event; prefetches earlier groups).

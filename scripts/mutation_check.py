@@ -2,7 +2,7 @@
 """Proof that the emulated-device tests can fail: delete each stream/event rule's line in csrc/, one at a time.
 
 The rules live in csrc/transfer.cpp (tagged I1-I4 and Mn there), except M10 (host pool), M11 (prefetch order) and
-M18 (unpack waits for a spill read).
+M18 (unpack waits for a spill read) and M19 (the pack's graph-capture guard, csrc/scope.cpp).
 
 For every mutation below, a scratch copy of the sources gets that one line removed (or replaced), the op library is
 rebuilt from the copy, and tests/emu runs against it (HSOFFLOAD_LIBRARY points the loader at the mutant). A mutation
@@ -79,6 +79,10 @@ MUTATIONS = [
              "done->synchronize();  // I2 (M17): the staging chunk is reused by the next transfer only after this copy"),
     Mutation("M18", "unpack waits for the spill read to finish", "csrc/scope.cpp",
              "restore.h2d_done = read->wait();", "restore.h2d_done = nullptr;"),
+    Mutation("M19", "pack: no copy, event, side stream or pinned allocation while the current stream captures",
+             "csrc/scope.cpp",
+             "if (device_ok && (capturing || stream_capturing(x.device()))) {  // (M19) no transfer while capturing",
+             "if (false) {"),
 ]
 
 _SOURCES = ("CMakeLists.txt", "csrc", "ops", "tests/emu")

@@ -30,6 +30,7 @@ from .host import (  # noqa: E402
     empty_pool,
     pool_stats,
     process_stats,
+    reserve_host,
     set_host_budget,
     set_pool_limit,
 )
@@ -61,4 +62,5 @@ __all__ = [
     "load_library",
     "mark_hidden_state",
     "pool_stats",
+    "reserve_host",
 ]

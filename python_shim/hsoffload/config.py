@@ -57,6 +57,9 @@ class OffloadConfig:
     # The pool limit: bound of the process-wide host pool (bytes), applied when the scope is entered and kept for
     # every later scope (None: keep the pool's limit as it is).
     max_pool_bytes: Optional[int] = None
+    # Host bytes to reserve (pin) in the pool at scope entry, before the first pack (hsoffload.reserve_host): the
+    # `hsoffload plan` host figure. None: the pool grows on demand (outside every lock, but during the step).
+    reserve_host_bytes: Union[int, str, None] = None
     # Process-wide bound of offloaded bytes in host memory, applied when the scope is entered: bytes, or "auto"
     # (80 % of MemAvailable at first use / LOCAL_WORLD_SIZE). Default: $HSOFFLOAD_MAX_HOST_BYTES, else None: keep
     # the process's budget as it is (auto, resolved at first use, unless set_host_budget or a scope set it).
@@ -81,6 +84,12 @@ class OffloadConfig:
             raise TypeError(f"hsoffload: offload_output_head must be a bool, got {self.offload_output_head!r}")
         if self.max_host_bytes is not None:
             object.__setattr__(self, "max_host_bytes", parse_bytes(self.max_host_bytes, "max_host_bytes"))
+        if self.reserve_host_bytes is not None:
+            value = parse_bytes(self.reserve_host_bytes, "reserve_host_bytes")
+            if value == "auto":
+                raise ValueError("hsoffload: reserve_host_bytes must be bytes (an int or a string like '8GiB'), "
+                                 "got 'auto'")
+            object.__setattr__(self, "reserve_host_bytes", value)
         if self.spill_dir is not None:
             if not isinstance(self.spill_dir, (str, os.PathLike)) or not str(self.spill_dir):
                 raise ValueError(f"hsoffload: spill_dir must be a directory path or None, got {self.spill_dir!r}")

@@ -18,11 +18,11 @@ from typing import Any, Optional
 
 import torch
 
-from . import current
+from . import capture, current
 from ._logging import log_once
 from .config import OffloadConfig
 from .current import current_scope
-from .host import apply_host_budget, budget_stats
+from .host import apply_host_budget, budget_stats, reserve_host
 from .layers import LayerStats, LayerTracker, reset_head_state_on_forward
 from .policy import Selector, policy_name, track_module_names
 from . import sac
@@ -116,6 +116,9 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         pack_sac_kept = self._pack_sac_kept
 
         def pack_hook(x: torch.Tensor) -> Any:
+            probe = capture.capture_probe()  # None where the engine tells capture itself (torch >= 2.13)
+            if probe is not None and probe():
+                return pack_op(x, scope_id, True)  # a graph is being captured: x stays where it is
             pending = sac_state.pending  # a tensor the SAC cache keeps (torch >= 2.14 routes it here)
             if pending is not None and pending.claims(x):
                 return pack_sac_kept(x, pending)
@@ -196,7 +199,8 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             if not self._selector.movable(t):
                 return None  # small, CPU, or a weight a SAC policy keeps a view of (aten.t): it stays where it is
             self._scope.mark(t)
-            return torch.ops.hsoffload.offload_pack(t, self.id)
+            probe = capture.capture_probe()
+            return torch.ops.hsoffload.offload_pack(t, self.id, probe is not None and probe())
 
         return pack_sac_value(value, pack_tensor, pending)
 
@@ -217,6 +221,8 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         if self.config.max_pool_bytes is not None:
             # The host pool is process-wide: the bound applies from this entry on, to every scope.
             torch.classes.hsoffload.OffloadScope.set_pool_limit(self.config.max_pool_bytes)
+        if self.config.reserve_host_bytes:
+            reserve_host(self.config.reserve_host_bytes)  # a no-op once the pool has that much free
         self._scope.enter()
         try:
             self.layer_tracker.reset_entry()  # only once the engine accepted the entry (it refuses a re-entry)
@@ -266,6 +272,15 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
 
     def _report_if_ineffective(self) -> None:
         stats = from_engine(OffloadStats, self._scope.stats())  # the engine's counters, whatever a subclass reports
+        if stats.captured_passthrough > 0:
+            log_once(
+                "captured-passthrough",
+                logging.INFO,
+                "hsoffload: %d marked tensors were saved while a graph was being captured (CUDA graphs, "
+                "torch.compile mode='reduce-overhead'); they stayed on the device, in the graph's memory. Offload "
+                "applies to eager and non-captured compiled code only. See scope.stats.captured_passthrough.",
+                stats.captured_passthrough,
+            )
         if stats.kept_on_device_tensors > 0:
             log_once(
                 "kept-on-device",

@@ -32,6 +32,7 @@ class OffloadStats:
     spilled_bytes: int = 0  # their bytes (included in offloaded_bytes)
     spill_read_wait_ns: int = 0  # host time unpack waited for spilled tensors to be read back
     kept_on_device_tensors: int = 0  # marked tensors over the host budget with no spill_dir: left in place
+    captured_passthrough: int = 0  # marked tensors saved during a graph capture (CUDA graphs): left in place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,8 @@ class PoolStats:
     unpooled: int = 0
     acquires: int = 0  # blocks handed out
     slabs: int = 0  # slabs held now
+    unpooled_bytes: int = 0  # unpooled blocks lent now (outside held_bytes)
+    pinned_bytes: int = 0  # pinned bytes held for offload now: pinned slabs + pinned unpooled blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,7 @@ class BudgetStats:
     is_auto: bool = True
     mem_available: int = 0  # what "auto" was computed from
     local_world_size: int = 1
+    host_bytes: int = 0  # host bytes the pool holds now (slabs + unpooled blocks); pool_stats() tells the same
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,7 @@ class SpillStats:
     read_ns: int = 0
     files: int = 0  # spill files open now
     direct_io: int = 0  # 1 if the store writes with O_DIRECT
+    staging_bytes: int = 0  # host bytes of the I/O threads' staging chunks (2 x 8 MiB)
 
 
 def is_snapshot(field: "dataclasses.Field[Any]") -> bool:

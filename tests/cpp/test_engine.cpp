@@ -6,7 +6,9 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cstdio>
+#include <future>
 #include <cstdlib>
 #include <vector>
 
@@ -130,8 +132,10 @@ void test_limit() {
   auto a = pool->acquire(3000, false);
   auto b = pool->acquire(HostPool::kMinSlab, false);  // over the limit: unpooled
   EXPECT(pool->stats().unpooled == 1);
+  EXPECT(pool->stats().unpooled_bytes == HostPool::kMinSlab);  // counted while lent
   EXPECT(pool->stats().held_bytes <= HostPool::kMinSlab);
   b = hsoffload::HostBlock();
+  EXPECT(pool->stats().unpooled_bytes == 0);
   EXPECT(pool->stats().held_bytes <= HostPool::kMinSlab);
   pool->set_limit(0);  // `a` is still lent: its slab stays
   EXPECT(pool->stats().held_bytes == HostPool::kMinSlab);
@@ -196,6 +200,70 @@ void test_version_check() {
   EXPECT(raised);
 }
 
+void test_pinned_accounting() {
+  std::vector<int64_t> asked;
+  auto pool = HostPool::create(HostPool::kMinSlab, [&](int64_t bytes, bool pinned) {
+    asked.push_back(bytes);
+    return at::empty({bytes}, at::kByte);  // "pinned" in name only: the bookkeeping is what is tested
+  });
+  auto slab_block = pool->acquire(1000, /*pinned=*/true);
+  EXPECT(pool->stats().pinned_bytes == HostPool::kMinSlab);
+  // Over the bound: an unpooled pinned buffer is asked for as a power of two (what a caching host allocator would
+  // hold anyway), and counted as such while lent.
+  const int64_t need = 3 * HostPool::kMinSlab / 2;
+  auto own = pool->acquire(need, /*pinned=*/true);
+  EXPECT(asked.back() == 2 * HostPool::kMinSlab);
+  EXPECT(pool->stats().unpooled_bytes == 2 * HostPool::kMinSlab);
+  EXPECT(pool->stats().pinned_bytes == 3 * HostPool::kMinSlab);
+  own = hsoffload::HostBlock();
+  slab_block = hsoffload::HostBlock();
+  EXPECT(pool->stats().unpooled_bytes == 0 && pool->stats().pinned_bytes == HostPool::kMinSlab);
+  pool->set_limit(0);  // trimmed: nothing pinned is held any more
+  EXPECT(pool->stats().pinned_bytes == 0 && pool->stats().held_bytes == 0);
+}
+
+// True if `probe` can run on another thread within a second: the lock it takes is not held by the caller.
+template <class F>
+bool runs_elsewhere(F probe) {
+  auto done = std::async(std::launch::async, probe);
+  return done.wait_for(std::chrono::seconds(1)) == std::future_status::ready;
+}
+
+void test_reserve_allocates_outside_the_locks() {
+  int allocs = 0;
+  bool pool_lock_free = true, scope_lock_free = true;
+  std::shared_ptr<HostPool> pool;
+  std::shared_ptr<hsoffload::OffloadScope> scope;
+  pool = HostPool::create(int64_t{1} << 30, [&](int64_t bytes, bool pinned) {
+    ++allocs;
+    pool_lock_free = pool_lock_free && runs_elsewhere([&] { pool->stats(); });
+    if (scope) scope_lock_free = scope_lock_free && runs_elsewhere([&] { scope->stats(); });
+    return at::empty({bytes}, at::kByte);
+  });
+  EXPECT(pool->reserve(5 << 20, false) >= (5 << 20));
+  const int reserved_allocs = allocs;
+  EXPECT(reserved_allocs > 0 && pool->stats().held_bytes >= (5 << 20));
+  EXPECT(pool->reserve(1 << 20, false) >= (5 << 20) && allocs == reserved_allocs);  // already there: no-op
+  { auto block = pool->acquire(4 << 20, false); }
+  EXPECT(allocs == reserved_allocs);  // served by the reserved slabs
+  // A pack that finds no room grows the pool holding neither the pool's nor the scope's lock.
+  hsoffload::OffloadConfig config;
+  config.offload_cpu_tensors = true;
+  config.min_offload_size = 0;
+  scope = hsoffload::OffloadScope::create(config, pool, hsoffload::HostBudget::create(int64_t{1} << 30));
+  scope->enter();
+  at::Tensor x = at::randn({int64_t{4} << 20});  // 16 MiB: more than the pool has free
+  scope->mark(x);
+  auto handle = scope->pack(x);
+  EXPECT(handle->offloaded() && allocs > reserved_allocs);
+  EXPECT(at::equal(handle->unpack(), x));
+  EXPECT(scope->stats().saved_tensors_seen == 1);  // the retry after growing is not a second save
+  scope->exit();
+  EXPECT(pool_lock_free && scope_lock_free);
+  handle.reset();
+  scope.reset();
+}
+
 }  // namespace
 
 int main() {
@@ -207,6 +275,8 @@ int main() {
   test_budget();
   test_scope_roundtrip();
   test_version_check();
+  test_reserve_allocates_outside_the_locks();
+  test_pinned_accounting();
   if (failures) {
     std::fprintf(stderr, "%d expectation(s) failed\n", failures);
     return 1;

@@ -84,12 +84,14 @@ struct EmuGuardImpl final : c10::impl::DeviceGuardImplInterface {
     auto* e = static_cast<Event*>(*event);
     e->stream = stream.id();
     e->ticket = enqueued(stream.id());
+    e->captured = is_capturing(stream.id());
   }
   void block(void* event, const c10::Stream& stream) const override {
     const auto* e = static_cast<const Event*>(event);
     if (e == nullptr || e->stream < 0 || e->stream == stream.id()) {
       return;  // never recorded, or the same stream (already in order)
     }
+    capture_wait(*e, stream.id());
     const c10::StreamId src = e->stream;
     const uint64_t ticket = e->ticket;
     enqueue(stream.id(), [src, ticket] { wait(src, ticket); });
@@ -97,21 +99,35 @@ struct EmuGuardImpl final : c10::impl::DeviceGuardImplInterface {
   }
   bool queryEvent(void* event) const override {
     const auto* e = static_cast<const Event*>(event);
+    if (e != nullptr && e->captured && any_capturing()) {
+      capture_violation("query of a captured event");
+    }
     return e == nullptr || e->stream < 0 || done(e->stream, e->ticket);
   }
   void synchronizeEvent(void* event) const override {
     const auto* e = static_cast<const Event*>(event);
+    if (e != nullptr && e->captured && any_capturing()) {
+      capture_violation("synchronize on a captured event");
+    }
     count(&Counters::host_syncs);
     if (e != nullptr && e->stream >= 0) {
       wait(e->stream, e->ticket);
     }
   }
   bool queryStream(const c10::Stream& s) const override { return done(s.id(), enqueued(s.id())); }
+  // Declared by torch >= 2.13's DeviceGuardImplInterface (no `override`: torch 2.11's has no such method).
+  bool isStreamCapturing(const c10::Stream& s) const { return is_capturing(s.id()); }
   void synchronizeStream(const c10::Stream& s) const override {
+    if (any_capturing()) {
+      capture_violation("stream synchronize during a capture");
+    }
     count(&Counters::host_syncs);
     drain(s.id());
   }
   void synchronizeDevice(const c10::DeviceIndex) const override {
+    if (any_capturing()) {
+      capture_violation("device synchronize during a capture");
+    }
     count(&Counters::host_syncs);
     drain_all();
   }
@@ -531,4 +547,9 @@ TORCH_LIBRARY(hsemu, m) {
   m.def("reset_peak() -> ()", [] { hsemu::reset_peak_allocated(); });
   // Frees idle pinned blocks whose copies have completed.
   m.def("empty_pinned_cache() -> ()", [] { hsemu::empty_pinned_cache(); });
+  // Emulated graph capture of the current stream (emu_runtime.h): begin, whether a stream captures, and end, which
+  // returns what CUDA would have refused during it (empty: the capture succeeded).
+  m.def("begin_capture() -> ()", [] { hsemu::begin_capture(hsemu::current_stream()); });
+  m.def("is_current_stream_capturing() -> bool", [] { return hsemu::is_capturing(hsemu::current_stream()); });
+  m.def("end_capture() -> str[]", [] { return hsemu::end_capture(hsemu::current_stream()); });
 }

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -282,6 +283,9 @@ class PinnedAllocator final : public c10::Allocator {
       return {nullptr, nullptr, &free_pinned, cpu};
     }
     const size_t size = round_up(n);
+    if (any_capturing()) {
+      capture_violation("pinned host allocation of " + std::to_string(n) + " bytes");
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     void* ptr = nullptr;
     for (auto it = idle_.rbegin(); it != idle_.rend(); ++it) {
@@ -438,6 +442,81 @@ void record_pinned_use(const void* ptr, c10::StreamId id, uint64_t ticket) {
   pinned_allocator_impl().record_use(ptr, id, ticket);
 }
 void empty_pinned_cache() { pinned_allocator_impl().empty_cache(); }
+
+namespace {
+struct CaptureState {
+  std::mutex mutex;
+  c10::StreamId origin = -1;        // the capturing stream, -1: none
+  std::vector<c10::StreamId> joined;  // streams that joined the capture and were not joined back
+  std::vector<std::string> violations;
+};
+CaptureState& capture_state() {
+  static CaptureState s;
+  return s;
+}
+}  // namespace
+
+void begin_capture(c10::StreamId id) {
+  CaptureState& c = capture_state();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  TORCH_CHECK(c.origin < 0, "hsemu.begin_capture: stream ", c.origin, " is capturing already (one at a time)");
+  c.origin = id;
+  c.joined.clear();
+  c.violations.clear();
+}
+
+std::vector<std::string> end_capture(c10::StreamId id) {
+  CaptureState& c = capture_state();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  TORCH_CHECK(c.origin == id, "hsemu.end_capture: stream ", id, " is not capturing");
+  std::vector<std::string> out = std::move(c.violations);
+  for (c10::StreamId s : c.joined) {
+    out.push_back("stream " + std::to_string(s) + " joined the capture and was never joined back (unjoined fork)");
+  }
+  c.origin = -1;
+  c.joined.clear();
+  c.violations.clear();
+  return out;
+}
+
+bool is_capturing(c10::StreamId id) {
+  CaptureState& c = capture_state();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return c.origin >= 0 && (id == c.origin || std::find(c.joined.begin(), c.joined.end(), id) != c.joined.end());
+}
+
+bool any_capturing() {
+  CaptureState& c = capture_state();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return c.origin >= 0;
+}
+
+void capture_violation(const std::string& what) {
+  CaptureState& c = capture_state();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  if (c.origin >= 0) {
+    c.violations.push_back(what);
+  }
+}
+
+void capture_wait(const Event& e, c10::StreamId to) {
+  CaptureState& c = capture_state();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  if (c.origin < 0 || e.stream < 0) {
+    return;
+  }
+  const auto joined = [&](c10::StreamId s) {
+    return s == c.origin || std::find(c.joined.begin(), c.joined.end(), s) != c.joined.end();
+  };
+  if (e.captured && !joined(to)) {
+    c.joined.push_back(to);  // fork: `to` now belongs to the capture and must be joined back
+  } else if (!e.captured && joined(to)) {
+    c.violations.push_back("capturing stream " + std::to_string(to) + " waited on an event recorded outside the "
+                           "capture (on stream " + std::to_string(e.stream) + ")");
+  } else if (e.captured && to == c.origin && e.stream != c.origin) {
+    c.joined.erase(std::remove(c.joined.begin(), c.joined.end(), e.stream), c.joined.end());  // joined back
+  }
+}
 
 Counters counters() {
   std::lock_guard<std::mutex> lock(counters_mutex());

@@ -27,6 +27,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
+#include <vector>
 
 namespace hsemu {
 
@@ -64,7 +66,24 @@ c10::StreamId new_stream();
 struct Event {
   c10::StreamId stream = -1;  // -1: never recorded
   uint64_t ticket = 0;
+  bool captured = false;  // recorded on a stream that was capturing (see "graph capture")
 };
+
+// ---- graph capture (emulated; one capture at a time) -------------------------------
+//
+// A capturing stream runs its work as usual (nothing is replayed), but the emulator records what CUDA forbids
+// during a capture (global capture mode): pinned allocation, querying or synchronizing a captured event,
+// synchronizing a stream or the device; a capturing stream waiting on an event recorded outside the capture; a
+// stream that joined the capture (it waited on a captured event) and was not joined back into the capturing
+// stream before the capture ended. end_capture returns those violations; the capture then failed.
+void begin_capture(c10::StreamId id);
+std::vector<std::string> end_capture(c10::StreamId id);
+// True if `id` is the capturing stream or a stream that joined its capture.
+bool is_capturing(c10::StreamId id);
+bool any_capturing();
+void capture_violation(const std::string& what);
+// block(event recorded on `from` (captured or not), onto stream `to`): joins, forks and illegal waits.
+void capture_wait(const Event& e, c10::StreamId to);
 
 // ---- copy delays (widen race windows) -----------------------------------------
 

@@ -74,6 +74,7 @@ def _device_module() -> types.ModuleType:
     mod.manual_seed_all = lambda seed: None  # type: ignore[attr-defined]  (compute uses the CPU generator)
     mod.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]  # type: ignore[attr-defined]
     mod.synchronize = lambda device=None: synchronize()  # type: ignore[attr-defined]
+    mod.is_current_stream_capturing = lambda: bool(torch.ops.hsemu.is_current_stream_capturing())  # type: ignore[attr-defined]
     return mod
 
 
@@ -139,3 +140,17 @@ def stats() -> dict[str, int]:
 def reset_peak() -> None:
     """Starts a new high-water mark at the bytes allocated now (like torch.cuda.reset_peak_memory_stats)."""
     torch.ops.hsemu.reset_peak()
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[None]:
+    """Emulated graph capture of the current stream inside the block; raises at its end if the block did what CUDA
+    forbids during a capture (pinned allocation, captured-event queries, syncs, waits on outside events, a fork never
+    joined back): the capture failed."""
+    torch.ops.hsemu.begin_capture()
+    try:
+        yield
+    finally:
+        violations = list(torch.ops.hsemu.end_capture())
+    if violations:
+        raise RuntimeError("hsemu: graph capture failed: " + "; ".join(violations))

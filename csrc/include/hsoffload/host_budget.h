@@ -54,6 +54,8 @@ class HostBudget : public std::enable_shared_from_this<HostBudget> {
   // Reserves `bytes` if in_flight + bytes stays within the limit; otherwise
   // returns false and `lease` is untouched.
   bool try_reserve(int64_t bytes, HostLease& lease);
+  // Whether try_reserve(bytes) would succeed now (reserves nothing; another thread may take the room first).
+  bool fits(int64_t bytes);
   // Changes the limit (< 0: auto, recomputed now). Live leases are kept even
   // if they exceed a lower limit; new ones must fit. Resets `peak` to the
   // bytes in flight now and `refused` to 0.

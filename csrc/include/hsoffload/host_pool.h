@@ -11,7 +11,9 @@
 // not completed is kept aside until its event completes.
 //
 // Thread-safety: every public method of HostPool may be called from any
-// thread; one mutex guards the slabs, the free ranges and the counters. A
+// thread; one mutex guards the slabs, the free ranges and the counters, and is
+// released while new buffers are allocated (pinning is slow and must not
+// block other threads' acquires and returns). A
 // HostBlock is not shared between threads without external synchronisation
 // (the engine only touches a block under its scope's mutex).
 #pragma once
@@ -91,13 +93,28 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // by a buffer of its own that is freed on return (counted in `unpooled`).
   static std::shared_ptr<HostPool> create(int64_t limit, HostAllocFn alloc = default_host_alloc);
 
-  // Lends `bytes` bytes of host memory (pinned or pageable).
+  // Lends `bytes` bytes of host memory (pinned or pageable). New slabs, if needed, are allocated without holding
+  // the pool's lock (the caller's own locks are its business: the scope grows the pool through `reserve` first).
   HostBlock acquire(int64_t bytes, bool pinned);
+  // Makes at least `bytes` bytes of that kind free in slabs, allocating (and committing) slabs outside the pool's
+  // lock, within the limit; returns the free bytes of that kind now (less than `bytes` only where the limit stops it). The op
+  // `reserve_host`: pins before the first step, so packs do not.
+  int64_t reserve(int64_t bytes, bool pinned);
+  // Free bytes of that kind in slabs now (returned blocks whose device use completed included).
+  int64_t free_bytes(bool pinned);
   PoolStats stats() const;
   // The bound on held_bytes (the op `pool_limit`, Python `max_pool_bytes`).
   int64_t limit() const;
-  // Changes the bound; slabs with nothing lent above it are freed at once.
+  // Changes the bound; slabs with nothing lent above it are freed at once, and pinned ones returned to the system
+  // (not kept in torch's host cache). An explicit bound: the pool stops following the budget.
   void set_limit(int64_t limit);
+  // One limit: the bound becomes limit_for_budget(budget_limit) now and follows every later budget_changed() (the
+  // process-wide pool does from its creation), until set_limit fixes one.
+  void follow_budget(int64_t budget_limit);
+  void budget_changed(int64_t budget_limit);
+  // The budget plus the slab granularity's slack (1/16, at least one minimal slab): the pool never holds much more
+  // host memory than the budget lets records reserve.
+  static int64_t limit_for_budget(int64_t budget_limit);
   // Frees every slab with nothing lent, and the accelerator's cached pinned blocks (the op `empty_pool`).
   void empty();
   // Size of the slabs the pool allocates next when it holds `held` bytes and
@@ -118,15 +135,30 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
     std::vector<HostBlock::Place> places;
     std::shared_ptr<c10::Event> last_use;
   };
-  void give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use);
+  void give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use, bool pinned);
+  void set_limit_impl(int64_t limit, bool explicit_limit);
+  int64_t free_bytes_locked(bool pinned) const;
+  // Lends `need` bytes from free ranges (false: not enough free bytes of that kind).
+  bool serve_locked(int64_t need, bool pinned, HostBlock& block);
+  // Slab sizes that cover `deficit` within the limit (idle slabs of the other kind trimmed first); empty: over it.
+  std::vector<int64_t> grow_sizes_locked(int64_t deficit, bool pinned);
+  // Allocates `sizes` with the lock released (re-taken before returning, also on an exception); `touch`: commit
+  // pageable pages now (reserve), not at the first copy.
+  std::vector<at::Tensor> allocate_unlocked(std::unique_lock<std::mutex>& lock, const std::vector<int64_t>& sizes,
+                                            bool pinned, bool touch);
+  void add_slabs_locked(std::vector<at::Tensor> buffers, bool pinned);
   void free_place_locked(const HostBlock::Place& p);
   void reap_pending_locked();
-  // Frees idle slabs (of one kind, pinned or not, if given) until held_bytes <= target_bytes.
-  void trim_locked(int64_t target_bytes, std::optional<bool> only_kind = std::nullopt);
+  // Frees idle slabs (of one kind, pinned or not, if given) until held_bytes <= target_bytes; returns the pinned
+  // bytes it freed.
+  int64_t trim_locked(int64_t target_bytes, std::optional<bool> only_kind = std::nullopt);
+  // Hands the accelerator's cached pinned blocks back to the system (outside the pool's lock; not in a hook).
+  static void empty_host_cache();
   void take_locked(Slab& slab, int64_t slab_id, int64_t offset, int64_t length, HostBlock& block);
 
   mutable std::mutex mutex_;
   int64_t limit_;
+  bool follows_budget_ = false;
   HostAllocFn alloc_;
   std::map<int64_t, Slab> slabs_;  // by id
   int64_t next_slab_id_ = 0;

@@ -122,8 +122,10 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // True if packing `x` now would find a mark (the tensor itself or an alias, see marks.h). Lets a caller that
   // unwraps tensor subclasses (DTensor) mark the inner tensor it will pack instead.
   bool is_marked(const at::Tensor& x);
-  // The pack hook: decides passthrough or offload and starts the copy.
-  std::shared_ptr<SavedHandle> pack(const at::Tensor& x);
+  // The pack hook: decides passthrough or offload and starts the copy. While the current stream is capturing a
+  // graph (`capturing`, the caller's knowledge, or `stream_capturing`) a marked tensor passes through untouched
+  // (counted in captured_passthrough): nothing is copied, allocated, recorded or queried.
+  std::shared_ptr<SavedHandle> pack(const at::Tensor& x, bool capturing = false);
   OffloadStats stats() const;
   // The counters of the spill store this scope writes to (zeros without spill_dir).
   SpillStats spill_stats() const;
@@ -150,7 +152,16 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool, std::shared_ptr<HostBudget> budget);
   void prune_locked();
   void maybe_prune_locked();
-  std::shared_ptr<OffloadRecord> offload_locked(const at::Tensor& x, int64_t begin, int64_t end);
+  // Host memory a pack must obtain before it can go on (bytes 0: none): pack grows the pool holding no lock.
+  struct HostNeed {
+    int64_t bytes = 0;
+    bool pinned = false;
+  };
+  // pack's decision and copy, under the lock. `first`: may return a HostNeed instead of allocating (the retry
+  // after growing may not, and does not count the save again).
+  HostNeed pack_locked(const at::Tensor& x, bool capturing, SavedHandle& handle, bool first);
+  // `defer` non-null: if the copy fits the budget but the pool lacks the room, sets it and returns null.
+  std::shared_ptr<OffloadRecord> offload_locked(const at::Tensor& x, int64_t begin, int64_t end, HostNeed* defer);
   at::Tensor restore(const SavedHandle& handle);
   // The three transfers a record goes through (transfer.h does the stream work).
   void copy_to_host_locked(OffloadRecord& record, const at::Tensor& x);

@@ -29,7 +29,8 @@ namespace hsoffload {
   X(spilled_tensors, "offloaded tensors that went to spill_dir (over the host budget)")                            \
   X(spilled_bytes, "their bytes (included in offloaded_bytes)")                                                    \
   X(spill_read_wait_ns, "host time unpack waited for spilled tensors to be read back")                             \
-  X(kept_on_device_tensors, "marked tensors over the host budget with no spill_dir: left in place")
+  X(kept_on_device_tensors, "marked tensors over the host budget with no spill_dir: left in place")             \
+  X(captured_passthrough, "marked tensors saved while the current stream was capturing a graph: left in place")
 
 // The process-wide host pool (HostPool::stats()).
 #define HSOFFLOAD_POOL_STATS(X)                                                                                     \
@@ -41,7 +42,9 @@ namespace hsoffload {
   X(reuses, "blocks served from existing slabs without a new allocation")                                          \
   X(unpooled, "blocks served outside the byte limit (a buffer of their own, freed on return)")                     \
   X(acquires, "blocks lent")                                                                                       \
-  X(slabs, "slabs held now")
+  X(slabs, "slabs held now")                                                                                       \
+  X(unpooled_bytes, "bytes of unpooled blocks lent now (outside held_bytes; granule-rounded)")                     \
+  X(pinned_bytes, "pinned bytes held for offload now: pinned slabs plus pinned unpooled blocks")
 
 // The process-wide host budget (HostBudget::stats()).
 #define HSOFFLOAD_BUDGET_STATS(X)                                                                                   \
@@ -51,7 +54,8 @@ namespace hsoffload {
   X(refused, "reservations that did not fit (spilled or kept on the device)")                                      \
   X(is_auto, "1: the limit came from compute_auto_budget()")                                                       \
   X(mem_available, "MemAvailable (bytes) the last auto limit was computed from; 0 if none was")                    \
-  X(local_world_size, "LOCAL_WORLD_SIZE the auto limit was divided by")
+  X(local_world_size, "LOCAL_WORLD_SIZE the auto limit was divided by")                                          \
+  X(host_bytes, "host bytes the pool holds now (slabs + unpooled blocks): where in_flight lives; pool_stats too")
 
 // One spill store (SpillStore::stats()), shared by the scopes that spill to its directory.
 #define HSOFFLOAD_SPILL_STATS(X)                                                                                    \
@@ -60,7 +64,8 @@ namespace hsoffload {
   X(write_ns, "I/O-thread time spent writing (device copy + pwrite)")                                              \
   X(read_ns, "I/O-thread time spent reading (pread + device copy)")                                                \
   X(files, "spill files open now")                                                                                 \
-  X(direct_io, "1: the last file was opened with O_DIRECT")
+  X(direct_io, "1: the last file was opened with O_DIRECT")                                                       \
+  X(staging_bytes, "host bytes of the I/O threads' staging chunks (pinned: as the host allocator holds them)")
 
 #define HSOFFLOAD_STATS_FIELD(name, doc) int64_t name = 0;
 #define HSOFFLOAD_STATS_PAIR(name, doc) {#name, s.name},

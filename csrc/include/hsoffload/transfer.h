@@ -10,9 +10,12 @@
 // threads copy through `stage_to_host` / `stage_to_device`. "The compute stream" is always the stream current on
 // the tensor's device at the time of the call, never a cached one. CPU tensors take the synchronous path: no events.
 //
-// Where the next changes go: a CUDA-graph capture guard checks in each entry point below; spilling from a host
-// block (host -> file) adds a step here that waits `d2h_done`; pinned allocation outside the scope's lock moves
-// `acquire_host_block` out of the caller's critical section (it is already separate from the copy).
+// Graph capture (CUDA graphs): none of the entry points below may run while the current stream is capturing (they
+// fork side streams, record and query events, allocate pinned memory). The scope asks `stream_capturing` before
+// it starts a transfer and passes the tensor through instead (docs/design.md, "Graph capture").
+// Pinned memory: `acquire_host_block` only lends; the scope makes room in the pool (HostPool::reserve) before it
+// takes its lock, so no pinned allocation happens under a lock in the common case (docs/design.md).
+// Where the next change goes: spilling from a host block (host -> file) adds a step here that waits `d2h_done`.
 //
 // Thread-safety: the free functions hold no state (they touch only their arguments, which the caller owns or
 // guards). SideStreams is not thread-safe: its owner (a scope) calls it under its mutex.
@@ -51,6 +54,15 @@ class SideStreams {
   bool enabled_;
   std::vector<std::pair<c10::Device, std::array<c10::Stream, 2>>> streams_;  // [kToHost, kToDevice]
 };
+
+// True if the stream current on `device` is capturing a graph (CUDA graphs, torch.compile "reduce-overhead").
+// Device-generic: asks torch's device guard (`DeviceGuardImplInterface::isStreamCapturing`, torch >= 2.13). False
+// for CPU devices, and always false where the running torch's headers lack the query (torch 2.11-2.12): there the
+// Python shim asks `torch.<accelerator>.is_current_stream_capturing()` and passes pack a flag
+// (`engine_detects_capture()` tells it which).
+bool stream_capturing(c10::Device device);
+// True if this build can tell capture on its own (`stream_capturing` is not constantly false).
+bool engine_detects_capture();
 
 // A uint8 tensor aliasing bytes [begin, end) of `storage` on `device`.
 at::Tensor byte_view(const c10::Storage& storage, c10::Device device, int64_t begin, int64_t end);

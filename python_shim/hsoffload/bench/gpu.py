@@ -420,13 +420,23 @@ def run(args: argparse.Namespace, progress_enabled: bool = True) -> dict[str, An
                 _fits(args, result, key, model, shape, rows, device, deadline, progress, fit_layers)
                 save()
         _fits(args, result, peers, model, shape, rows, device, deadline, progress, fit_layers)
+        del model
+        _cleanup()
+        if time.monotonic() + 60 < deadline:
+            # The planner's predicted step peak against torch.cuda.max_memory_allocated at Llama-3-8B width (4
+            # layers): the first GPU run validates `hsoffload plan` (docs/benchmarks.md).
+            from . import gpu_peak
+
+            progress.note("planner vs allocator")
+            result["planner_vs_allocator"] = gpu_peak.run(device, deadline=deadline - 60)
+            save()
+        else:
+            result["planner_vs_allocator"] = {"status": "skipped", "reason": "time limit: under 60 s left"}
         if time.monotonic() + 60 < deadline:
             # The CPU suite's policy rows, on this GPU (a tiny model, seconds): each offload policy under its
             # checkpointing setup against the baseline, TRL's OffloadActivations and save_on_cpu.
             from . import policies
 
-            del model
-            _cleanup()
             progress.note("policies")
             result["policies"] = policies.run(False, Progress(0, "", False), device=device, seq=8192)
             save()
@@ -543,6 +553,10 @@ def report(result: dict[str, Any]) -> str:
     peak = result.get("copy_peak")
     if peak:
         lines.append(f"pinned-copy peak: D2H {peak['d2h_gbps']:.1f} GB/s, H2D {peak['h2d_gbps']:.1f} GB/s")
+    if result.get("planner_vs_allocator"):
+        from . import gpu_peak
+
+        lines.append("\n".join(gpu_peak.report(result["planner_vs_allocator"])))
     if result.get("policies"):
         from . import policies
 

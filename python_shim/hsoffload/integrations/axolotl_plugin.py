@@ -9,9 +9,11 @@ In the Axolotl YAML::
     # optional, defaults shown
     hsoffload_min_offload_size: 1024      # bytes; smaller marked tensors stay on the device
     hsoffload_prefetch_depth: 1           # restores issued ahead of their use in backward
-    hsoffload_max_pool_bytes: null        # cap of the pinned host pool (null: unbounded)
+    hsoffload_max_pool_bytes: null        # cap of the pinned host pool (null: follows max_host_bytes)
     hsoffload_max_host_bytes: null        # offloaded bytes in host RAM at once ("64GiB", bytes, or auto:
                                           # 80% of MemAvailable / LOCAL_WORLD_SIZE; null: auto unless set)
+    hsoffload_reserve_host_bytes: null    # host bytes pinned before the first step ("24GiB": `hsoffload plan`'s
+                                          # host figure; null: the pool grows during the first steps)
     hsoffload_spill_dir: null             # local directory for what exceeds it (null: it stays on the GPU)
     hsoffload_spill_prefetch_depth: 2     # spilled tensors read back ahead of their use
     hsoffload_use_streams: true           # copies on side streams
@@ -65,6 +67,7 @@ KEYS: dict[str, tuple[type, str]] = {
     "hsoffload_prefetch_depth": (int, "an int >= 0"),
     "hsoffload_max_pool_bytes": (int, "null or an int >= 0 (bytes)"),
     "hsoffload_max_host_bytes": (str, "auto, an int >= 0 (bytes) or a size such as 64GiB"),
+    "hsoffload_reserve_host_bytes": (str, "null, an int >= 0 (bytes) or a size such as 24GiB"),
     "hsoffload_spill_dir": (str, "null or a directory path"),
     "hsoffload_spill_prefetch_depth": (int, "an int >= 0"),
     "hsoffload_use_streams": (bool, "true or false"),
@@ -85,6 +88,7 @@ try:
         hsoffload_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
         hsoffload_max_pool_bytes: Optional[StrictInt] = Field(default=None, ge=0)
         hsoffload_max_host_bytes: Optional[Union[StrictInt, StrictStr]] = None
+        hsoffload_reserve_host_bytes: Optional[Union[StrictInt, StrictStr]] = None
         hsoffload_spill_dir: Optional[StrictStr] = None
         hsoffload_spill_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
         hsoffload_use_streams: Optional[StrictBool] = None
@@ -124,6 +128,11 @@ def validate_config(cfg: Any) -> None:
             try:
                 parse_bytes(value, key)
                 ok = True
+            except ValueError:
+                ok = False
+        elif key == "hsoffload_reserve_host_bytes":
+            try:
+                ok = parse_bytes(value, key) != "auto"
             except ValueError:
                 ok = False
         elif key == "hsoffload_policy":
@@ -175,6 +184,7 @@ def offload_config(cfg: Any) -> OffloadConfig:
         "use_streams": _cfg_get(cfg, "hsoffload_use_streams"),
         "offload_cpu_tensors": _cfg_get(cfg, "hsoffload_offload_cpu_tensors"),
         "max_host_bytes": _cfg_get(cfg, "hsoffload_max_host_bytes"),
+        "reserve_host_bytes": _cfg_get(cfg, "hsoffload_reserve_host_bytes"),
         "spill_dir": _cfg_get(cfg, "hsoffload_spill_dir"),
         "spill_prefetch_depth": _cfg_get(cfg, "hsoffload_spill_prefetch_depth"),
         "policy": _cfg_get(cfg, "hsoffload_policy"),
