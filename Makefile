@@ -66,7 +66,7 @@ test-torch214: $(VENV214)/.deps-stamp
 	PATH="$(abspath $(VENV214))/bin:$$PATH" $(VENV214)/bin/python -m pytest -q tests/test_core.py \
 		tests/test_torchscript_compile.py tests/test_loader.py tests/test_transformers_models.py tests/test_patch.py \
 		tests/test_fsdp.py tests/test_axolotl.py tests/test_emu_device.py tests/test_policies.py tests/test_policies_compile.py \
-		tests/test_dtensor.py
+		tests/test_dtensor.py tests/test_capture.py tests/test_reserve.py tests/test_spill.py
 
 # The twin of the GPU machine: its Python 3.12, torch 2.11.0 (the PyPI CUDA 13.0 wheel, run on the CPU without a
 # driver), transformers 5.17.0, accelerate and peft, no trl and no axolotl (requirements/twin.txt), in a venv of its

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hsoffload
 from hsoffload import OffloadScope
+from device_model import Block  # the model every device test shares
 
 pytestmark = pytest.mark.gpu
 mark = torch.ops.hsoffload.mark_hidden_state
@@ -46,16 +47,6 @@ def _peak():
     finally:
         torch.cuda.synchronize()
         out["peak"] = torch.cuda.max_memory_allocated() - base
-
-
-class Block(torch.nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(dim, 2 * dim)
-        self.fc2 = torch.nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
 class Stack(torch.nn.Module):

@@ -15,19 +15,10 @@ from torch.utils.checkpoint import checkpoint
 
 import hsoffload
 from hsoffload import OffloadScope
+from device_model import Block  # the model every device test shares
 
 pytestmark = pytest.mark.gpu
 mark = torch.ops.hsoffload.mark_hidden_state
-
-
-class Block(torch.nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(dim, 2 * dim)
-        self.fc2 = torch.nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
 def _layer_step(layer: Block, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -71,7 +62,6 @@ def test_capture_and_replay_a_checkpointed_layer_under_an_active_scope() -> None
         expected = _layer_step(eager_layer, static_x.detach().clone().requires_grad_(True))
         for got, want in zip(static_out, expected):
             assert torch.equal(got, want)
-
 
 
 def test_reserve_host_pins_before_the_first_step_and_the_step_pins_nothing() -> None:

@@ -16,18 +16,9 @@ import hf_tiny
 import hsemu
 import hsoffload
 from hsoffload import OffloadScope
+from device_model import Block  # the model every device test shares
 
 mark = torch.ops.hsoffload.mark_hidden_state
-
-
-class Block(torch.nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(dim, 2 * dim)
-        self.fc2 = torch.nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
 class Boom(RuntimeError):
