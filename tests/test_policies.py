@@ -153,9 +153,12 @@ def test_sac_offloads_what_sac_keeps_plus_the_hidden_states_bitwise(family):
     # (down_proj: autograd saves its inputs before it runs), so that entry is never read ...
     assert stats[0].offloaded_tensors == per_step + H.LAYERS, (stats[0].offloaded_tensors, per_step)
     assert stats[0].restored_tensors == per_step
-    # ... and from the second step on it is recomputed instead of copied: every copy is read back.
+    # ... and from the second step on it is recomputed instead of copied: every copy is read back (not on torch 2.11,
+    # which asks the policy again in the recompute and needs the same answer: there it is copied every step).
+    learns = hsoffload.sac.recomputes_unread_entries()
     for s in stats[1:]:
-        assert s.offloaded_tensors == s.restored_tensors == per_step, (s.offloaded_tensors, s.restored_tensors)
+        offloaded = per_step if learns else per_step + H.LAYERS
+        assert (s.offloaded_tensors, s.restored_tensors) == (offloaded, per_step), (s.offloaded_tensors, per_step)
     assert all(s.prefetch_hits > 0 for s in stats)
     down_proj = {(aten.mm.default, 6)}
     assert all(hsoffload.sac.layer_memory(layer).unread == down_proj for layer in model.model.layers)
@@ -170,6 +173,8 @@ def test_sac_entries_learned_unread_are_recomputed_bitwise_when_a_recompute_reac
     data = H.batches(3)
     first = H.train_steps(model, data[:1], offload=True, steps=1, scope_kwargs=_kwargs(policy="sac"))
     H.assert_bitwise_equal(first, H.train_steps(twin, data[:1], offload=False, steps=1))
+    if not hsoffload.sac.recomputes_unread_entries():
+        pytest.skip("this torch asks the SAC policy again in the recompute (2.11): unread entries are copied")
     assert all(hsoffload.sac.layer_memory(layer).unread for layer in model.model.layers)
 
     def without_early_stop(m: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -316,8 +321,9 @@ def test_must_cpu_offload_outputs_are_offloaded_by_the_engine_and_nothing_else_m
         assert stats[0].offloaded_bytes == hidden_bytes + mm_bytes
     # each layer's down_proj output is never read (the recompute stops before it): recomputed from the second step
     assert stats[0].restored_tensors == stats[0].offloaded_tensors - H.LAYERS
+    unread = 0 if hsoffload.sac.recomputes_unread_entries() else H.LAYERS  # torch 2.11: copied every step
     for s in stats[1:]:
-        assert s.offloaded_tensors == s.restored_tensors == per_step + bmm
+        assert (s.offloaded_tensors, s.restored_tensors) == (per_step + bmm + unread, per_step + bmm)
     assert all(s.prefetch_hits > 0 for s in stats)
 
 
@@ -333,7 +339,8 @@ def test_cpu_offload_in_a_layer_the_budget_keeps_stays_on_the_device():
         model(**data[0]).loss.backward()
     layers = scope.layer_stats
     assert layers["model.layers.2"].offloaded_tensors == 0
-    assert layers["model.layers.0"].offloaded_tensors == layers["model.layers.1"].offloaded_tensors == 1 + 6
+    unread = 0 if hsoffload.sac.recomputes_unread_entries() else 1  # torch 2.11: down_proj's output copied too
+    assert layers["model.layers.0"].offloaded_tensors == layers["model.layers.1"].offloaded_tensors == 1 + 6 + unread
 
 
 def test_cpu_offload_outside_a_scope_is_said_once(caplog):

@@ -63,6 +63,12 @@ HOOKS_ROUTE = _checkpoint_accepts("respect_saved_tensors_hooks")
 _policy_called_in_recompute = False
 
 
+def recomputes_unread_entries() -> bool:
+    """Whether SAC entries a layer's recompute left unread are recomputed instead of copied from the next step on:
+    not on torch releases that ask the policy again in the recompute (2.11), once such a call was seen."""
+    return not _policy_called_in_recompute
+
+
 class _State(threading.local):
     pending: Optional["_Pending"] = None  # the save the SAC policy just decided, until its tensors are stored
 

@@ -105,6 +105,8 @@ def test_capture_that_starts_with_copies_in_flight_succeeds(dev: torch.device) -
 
 
 def test_unpack_of_a_host_copy_inside_a_capture_raises(dev: torch.device) -> None:
+    if not bool(torch.classes.hsoffload.OffloadScope.engine_detects_capture()):
+        pytest.skip("this torch (< 2.13) has no device-generic capture query: unpack cannot tell it is captured")
     _, model = _models(dev)
     x = torch.randn(4, 32, device=dev)
     scope = OffloadScope(min_offload_size=0)
