@@ -10,25 +10,17 @@ import logging
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 import hsoffload
 from hsoffload import OffloadScope, capture
 from hsoffload._logging import forget_logged
+from device_model import LinearStack
 
 mark = torch.ops.hsoffload.mark_hidden_state
 
 
-class Stack(torch.nn.Module):
-    def __init__(self, dim: int = 16, layers: int = 3) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x * 1
-        for block in self.blocks:
-            h = checkpoint(lambda t, b=block: torch.tanh(b(t)), mark(h), use_reentrant=False)
-        return h.pow(2).mean()
+def Stack(dim: int = 16, layers: int = 3) -> LinearStack:  # noqa: N802  (the model's name in these tests)
+    return LinearStack(dim, layers)
 
 
 @pytest.fixture
