@@ -100,9 +100,31 @@ bool HostBudget::fits(int64_t bytes) {
   return stats_.in_flight + bytes <= stats_.limit;
 }
 
-void HostBudget::give_back(int64_t bytes) {
+int64_t HostBudget::room() {
   std::lock_guard<std::mutex> lock(mutex_);
-  stats_.in_flight -= bytes;
+  resolve_locked();
+  return stats_.limit - stats_.in_flight;
+}
+
+bool HostBudget::wait_for_room(int64_t bytes, std::chrono::steady_clock::time_point deadline,
+                               const std::function<bool()>& give_up) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  resolve_locked();
+  room_freed_.wait_until(lock, deadline, [&] { return stats_.in_flight + bytes <= stats_.limit || give_up(); });
+  return stats_.in_flight + bytes <= stats_.limit;
+}
+
+void HostBudget::wake() {
+  { std::lock_guard<std::mutex> lock(mutex_); }  // a waiter between its predicate and its sleep sees the change
+  room_freed_.notify_all();
+}
+
+void HostBudget::give_back(int64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.in_flight -= bytes;
+  }
+  room_freed_.notify_all();
 }
 
 void HostBudget::set_limit(int64_t limit) {
@@ -116,6 +138,7 @@ void HostBudget::set_limit(int64_t limit) {
   resolve_locked();
   stats_.peak = stats_.in_flight;
   stats_.refused = 0;
+  room_freed_.notify_all();
 }
 
 BudgetStats HostBudget::stats() {

@@ -73,6 +73,8 @@ void OffloadConfig::validate() const {
   TORCH_CHECK_VALUE(prefetch_depth >= 0, "hsoffload: prefetch_depth must be >= 0, got ", prefetch_depth);
   TORCH_CHECK_VALUE(spill_prefetch_depth >= 0, "hsoffload: spill_prefetch_depth must be >= 0, got ",
                     spill_prefetch_depth);
+  TORCH_CHECK_VALUE(spill_wait_ms >= 0, "hsoffload: spill_wait_ms must be >= 0 (0: keep a tensor that finds no host "
+                    "room on the device at once), got ", spill_wait_ms);
 }
 
 OffloadStats process_stats() {
@@ -192,6 +194,7 @@ OffloadStats OffloadScope::stats() const {
   std::lock_guard<std::mutex> lock(*mutex_);
   OffloadStats s = stats_;
   s.pool_bytes = pool_->stats().held_bytes;
+  s.spill_write_errors = spill_errors_->count();
   return s;
 }
 
@@ -255,6 +258,22 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x, bool captur
     // GiB; other threads' packs and unpacks go on meanwhile), then decide again. hsoffload.reserve_host does this
     // before the first step, so packs normally never get here.
     pool_->reserve(need.bytes, need.pinned);
+  } else if (need.budget_bytes > 0 && config_.spill_wait_ms > 0) {
+    // Packs outran the disk: the budget is full of host copies being written out. Wait, holding no lock, until the
+    // writes free room (bounded; a failed write or nothing left to write ends it early), then decide again: the
+    // copy goes to host, or the tensor stays on the device.
+    RECORD_USER_SCOPE("hsoffload::wait_host_budget");
+    const auto t0 = std::chrono::steady_clock::now();
+    budget_->wait_for_room(need.budget_bytes, t0 + std::chrono::milliseconds(config_.spill_wait_ms), [this] {
+      return writing_bytes_->load() == 0 || spill_errors_->pending();
+    });
+    const int64_t waited =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    std::lock_guard<std::mutex> lock(*mutex_);
+    count(stats_, &OffloadStats::wait_ns, waited);
+    count(stats_, &OffloadStats::pack_wait_ns, waited);
+  }
+  if (need.any()) {
     std::lock_guard<std::mutex> lock(*mutex_);
     pack_locked(x, capturing, *handle, /*first=*/false);
   }
@@ -305,8 +324,8 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
       if (!record) {
         record = offload_locked(x, span.first, span.second, first ? &need : nullptr);
       }
-      if (need.bytes > 0) {
-        return need;  // pack() grows the pool holding no lock, then comes back
+      if (need.any()) {
+        return need;  // pack() grows the pool or waits for room holding no lock, then comes back
       }
       if (!record) {
         count(stats_, &OffloadStats::kept_on_device_tensors, 1);  // over the host budget, no spill tier
@@ -341,10 +360,27 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
     }
   }
   auto record = std::make_shared<OffloadRecord>();
-  const bool in_budget = budget_->try_reserve(granted, record->copy.lease);
+  bool in_budget = budget_->try_reserve(granted, record->copy->lease);
   if (!in_budget && !spill_) {
     return nullptr;
   }
+  if (!in_budget && granted <= budget_->stats().limit) {
+    // Docs/design.md, "Host budget and spill tier": the copy goes to host once older host copies are on disk.
+    spill_oldest_locked(granted);
+    // Read before trying again: a write finishes by giving its budget back and only then leaves writing_bytes_, so
+    // 0 here means every write of this scope has given its room back already.
+    const int64_t writing = writing_bytes_->load();
+    in_budget = budget_->try_reserve(granted, record->copy->lease);
+    if (!in_budget && writing > 0) {
+      if (defer != nullptr) {
+        defer->budget_bytes = granted;  // pack() waits for that room holding no lock, then comes back
+      }
+      return nullptr;  // after the wait: stays on the device
+    }
+  }
+  // Larger than the whole budget, or the budget is held by copies this scope cannot move (another scope's, or
+  // failed writes): no room will come, so the device bytes go to the file themselves.
+  const bool from_device = !in_budget;
   record->seq = next_seq_++;
   record->group = open_group_ >= 0 ? open_group_ : next_group_++;
   record->epoch = epoch_;
@@ -357,33 +393,140 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
   // `begin` is a multiple of kSpanAlignment, so the span starts where the storage does, modulo kSpanAlignment.
   source.align = static_cast<int64_t>(reinterpret_cast<uintptr_t>(x.storage().data_ptr().get()) % kSpanAlignment);
   record->mutex = mutex_;
-  if (in_budget) {
-    copy_to_host_locked(*record, x);
-  } else {
-    spill_locked(*record, x);
+  if (from_device) {
+    spill_from_device_locked(*record, x);
     count(stats_, &OffloadStats::spilled_tensors, 1);
     count(stats_, &OffloadStats::spilled_bytes, bytes);
+    count(stats_, &OffloadStats::spilled_from_device_tensors, 1);
+  } else {
+    copy_to_host_locked(*record, x);
   }
   maybe_prune_locked();
   records_.add(record);
   count(stats_, &OffloadStats::offloaded_tensors, 1);
   count(stats_, &OffloadStats::offloaded_bytes, bytes);
+  if (!from_device && spill_) {
+    largest_copy_ = std::max(largest_copy_, granted);
+    spill_oldest_locked(0);  // start writing early, so that the next packs find room
+  }
   return record;
 }
 
 void OffloadScope::copy_to_host_locked(OffloadRecord& record, const at::Tensor& x) {
   RECORD_USER_SCOPE("hsoffload::copy_to_host");
-  record.copy.host = acquire_host_block(*pool_, record.bytes(), x.device(), config_.pin_memory);
+  CopyLocation& copy = *record.copy;  // not shared yet: no lock needed
+  copy.host = acquire_host_block(*pool_, record.bytes(), x.device(), config_.pin_memory);
   const at::Tensor src = byte_view(x.storage(), x.device(), record.source.begin, record.source.end);
-  record.copy.d2h_done = copy_to_host(src, record.copy.host, streams_);
+  copy.d2h_done = copy_to_host(src, copy.host, streams_);
 }
 
-void OffloadScope::spill_locked(OffloadRecord& record, const at::Tensor& x) {
+void OffloadScope::spill_from_device_locked(OffloadRecord& record, const at::Tensor& x) {
   RECORD_USER_SCOPE("hsoffload::spill");
   at::Tensor src = byte_view(x.storage(), x.device(), record.source.begin, record.source.end);
   SpillOrder order = spill_write_order(src, streams_);
-  record.copy.store = spill_;
-  record.copy.spill = spill_->write(std::move(src), std::move(order.ready), order.copy_stream, spill_errors_);
+  CopyLocation& copy = *record.copy;  // not shared yet: no lock needed
+  copy.store = spill_;
+  copy.spill = spill_->write(std::move(src), std::move(order.ready), order.copy_stream, spill_errors_);
+  copy.where = CopyLocation::Where::kFile;
+}
+
+void OffloadScope::spill_oldest_locked(int64_t need) {
+  const int64_t limit = budget_->stats().limit;
+  const int64_t headroom = std::min(2 * largest_copy_, limit / 2);
+  int64_t deficit = need + headroom - budget_->room() - writing_bytes_->load();
+  for (const auto& weak : records_.in_pack_order()) {  // oldest first
+    if (deficit <= 0) {
+      return;
+    }
+    auto record = weak.lock();
+    if (!record) {
+      continue;
+    }
+    const std::shared_ptr<CopyLocation>& copy = record->copy;
+    int64_t held = 0;
+    {
+      std::lock_guard<std::mutex> lock(copy->mutex);
+      if (copy->where.load() != CopyLocation::Where::kHost || !copy->host.valid()) {
+        continue;
+      }
+      copy->where = CopyLocation::Where::kSpilling;
+      held = copy->lease.bytes();
+    }
+    start_host_write_locked(copy, record->bytes());
+    count(stats_, &OffloadStats::spilled_tensors, 1);
+    count(stats_, &OffloadStats::spilled_bytes, record->bytes());
+    deficit -= held;
+  }
+}
+
+namespace {
+
+// The host bytes of one spill write: counted in its scope's writing_bytes_ from the start of the write until its
+// copy has moved to the file (or the job ended without writing), exactly once, and the budget's waiters woken.
+class WritingBytes {
+ public:
+  WritingBytes(std::shared_ptr<std::atomic<int64_t>> counter, int64_t bytes, std::shared_ptr<HostBudget> budget)
+      : counter_(std::move(counter)), bytes_(bytes), budget_(std::move(budget)) {
+    counter_->fetch_add(bytes_);
+  }
+  ~WritingBytes() { finish(); }
+  WritingBytes(const WritingBytes&) = delete;
+  WritingBytes& operator=(const WritingBytes&) = delete;
+  void finish() {
+    if (!done_.exchange(true)) {
+      counter_->fetch_sub(bytes_);
+      budget_->wake();
+    }
+  }
+
+ private:
+  std::shared_ptr<std::atomic<int64_t>> counter_;
+  int64_t bytes_;
+  std::shared_ptr<HostBudget> budget_;
+  std::atomic<bool> done_{false};
+};
+
+}  // namespace
+
+void OffloadScope::start_host_write_locked(const std::shared_ptr<CopyLocation>& copy, int64_t bytes) {
+  RECORD_USER_SCOPE("hsoffload::spill");
+  std::weak_ptr<CopyLocation> weak = copy;  // the write must not keep a record alive that nobody needs
+  auto writing = std::make_shared<WritingBytes>(writing_bytes_, copy->lease.bytes(), budget_);
+  auto take = [weak]() -> std::optional<HostSource> {
+    auto location = weak.lock();
+    if (!location) {
+      return std::nullopt;
+    }
+    std::lock_guard<std::mutex> lock(location->mutex);
+    return HostSource{location->host.extents(), location->d2h_done, location};
+  };
+  // On the I/O thread, after the write: the copy now lives in the file; its host block and budget go back (the
+  // waiting packs wake). Takes only the copy's mutex, never the scope's (docs/design.md, "Threads").
+  auto done = [weak, writing, errors = spill_errors_, store = std::weak_ptr<SpillStore>(spill_)](
+                  std::shared_ptr<SpillFile> file, const std::string& error) {
+    HostBlock freed_block;
+    HostLease freed_lease;
+    if (auto location = weak.lock()) {
+      std::lock_guard<std::mutex> lock(location->mutex);
+      auto owner = store.lock();
+      if (error.empty() && file && owner) {
+        location->store = std::move(owner);
+        location->spill = std::move(file);
+        freed_block = std::move(location->host);
+        freed_lease = std::move(location->lease);
+        location->where = CopyLocation::Where::kFile;
+      } else {
+        location->where = CopyLocation::Where::kSpillFailed;  // still in host; never written again
+      }
+    }
+    if (!error.empty()) {
+      errors->set(error);  // raised on the scope's thread, at its next pack or at the unpack
+    }
+    freed_block = HostBlock();  // back to the pool (after its last device use)
+    freed_lease = HostLease();  // back to the budget: wakes the packs waiting for room
+    writing->finish();
+  };
+  spill_->write_host(bytes, std::move(take), std::move(done));
 }
 
 // ---------------------------------------------------------------------------
@@ -396,16 +539,21 @@ void OffloadScope::copy_to_device_locked(OffloadRecord& record) {
   restore.prefetched = dev.block;
   restore.pad = dev.pad;
   restore.h2d_done = nullptr;
-  if (record.spilled()) {
+  CopyLocation& copy = *record.copy;
+  std::unique_lock<std::mutex> copy_lock(copy.mutex);  // an I/O thread may be moving it to a file
+  if (!copy.in_host()) {
     // The I/O thread copies into the block once the allocation point has passed; unpack waits for the read and
     // then for its event.
+    const std::shared_ptr<SpillStore> store = copy.store;
+    const std::shared_ptr<SpillFile> file = copy.spill;
+    copy_lock.unlock();
     SpillOrder order = spill_read_order(dev.bytes, streams_);
     if (order.alloc_stream) restore.alloc_stream = order.alloc_stream;
-    restore.spill_read = record.copy.store->read(record.copy.spill, dev.bytes, std::move(order.ready),
-                                                 order.copy_stream);
+    restore.spill_read = store->read(file, dev.bytes, std::move(order.ready), order.copy_stream);
     return;
   }
-  RestoreOrder order = copy_to_device(dev.bytes, record.copy.host, record.copy.d2h_done, streams_);
+  // In host (also while a spill write reads the block: both only read it).
+  RestoreOrder order = copy_to_device(dev.bytes, copy.host, copy.d2h_done, streams_);
   if (order.alloc_stream) restore.alloc_stream = order.alloc_stream;
   restore.h2d_done = std::move(order.done);
 }

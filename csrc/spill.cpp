@@ -17,8 +17,10 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
+#include <thread>
 #include <utility>
 
 namespace hsoffload {
@@ -156,12 +158,23 @@ class SpillFile {
 
 void SpillErrors::set(const std::string& message) {
   std::lock_guard<std::mutex> lock(mutex_);
+  ++count_;
   if (first_.empty()) first_ = message;
+}
+
+int64_t SpillErrors::count() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return count_;
 }
 
 std::string SpillErrors::take() {
   std::lock_guard<std::mutex> lock(mutex_);
   return std::exchange(first_, std::string());
+}
+
+bool SpillErrors::pending() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !first_.empty();
 }
 
 std::shared_ptr<c10::Event> SpillRead::wait() {
@@ -202,45 +215,53 @@ std::shared_ptr<SpillStore> SpillStore::open(const std::string& dir, bool pinned
 }
 
 SpillStore::SpillStore(std::string dir, bool pinned_staging) : dir_(std::move(dir)) {
+  if (const char* delay = std::getenv("HSOFFLOAD_TEST_SPILL_WRITE_DELAY_MS")) {
+    write_delay_ms_ = std::max<int64_t>(0, std::strtoll(delay, nullptr, 10));
+  }
   for (int64_t i = 0; i < kIoThreads; ++i) {
     int64_t held = 0;
     staging_.push_back(aligned_chunk(kChunkBytes, pinned_staging, held));
     stats_.staging_bytes += held;
   }
   for (int64_t i = 0; i < kIoThreads; ++i) {
-    threads_.emplace_back([this, i] { worker(static_cast<int>(i)); });
+    threads_.emplace_back(worker, queue_, staging_[i]);
   }
 }
 
 SpillStore::~SpillStore() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-    queue_.clear();  // nobody holds a record of these files any more: their data is not needed
+    std::lock_guard<std::mutex> lock(queue_->mutex);
+    queue_->stop = true;
+    queue_->jobs.clear();  // nobody holds a record of these files any more: their data is not needed
   }
-  cv_.notify_all();
-  for (auto& t : threads_) t.join();
+  queue_->cv.notify_all();
+  for (auto& t : threads_) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();  // the last reference went inside a job on this I/O thread: it leaves its loop through the queue
+    } else {
+      t.join();
+    }
+  }
 }
 
 void SpillStore::enqueue(Job job) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stop_) return;
-    queue_.push_back(std::move(job));
+    std::lock_guard<std::mutex> lock(queue_->mutex);
+    if (queue_->stop) return;
+    queue_->jobs.push_back(std::move(job));
   }
-  cv_.notify_one();
+  queue_->cv.notify_one();
 }
 
-void SpillStore::worker(int index) {
-  const at::Tensor staging = staging_[index];
+void SpillStore::worker(const std::shared_ptr<Queue>& queue, const at::Tensor& staging) {
   for (;;) {
     Job job;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-      if (stop_) return;
-      job = std::move(queue_.front());
-      queue_.pop_front();
+      std::unique_lock<std::mutex> lock(queue->mutex);
+      queue->cv.wait(lock, [&] { return queue->stop || !queue->jobs.empty(); });
+      if (queue->stop) return;
+      job = std::move(queue->jobs.front());
+      queue->jobs.pop_front();
     }
     job(staging);
   }
@@ -256,39 +277,113 @@ std::string SpillStore::io_error(const char* what, int err, int64_t bytes, int f
   return message;
 }
 
-std::shared_ptr<SpillFile> SpillStore::write(at::Tensor src, std::shared_ptr<c10::Event> produced,
-                                             std::optional<c10::Stream> copy_stream,
-                                             std::shared_ptr<SpillErrors> errors) {
-  TORCH_INTERNAL_ASSERT(src.scalar_type() == at::kByte && src.dim() == 1 && src.is_contiguous());
+std::shared_ptr<SpillFile> SpillStore::create_file(int64_t bytes, std::shared_ptr<SpillErrors> errors,
+                                                   std::string& error) {
   bool direct = false;
   const int fd = open_anonymous(dir_, direct);
   const int err = errno;
-  TORCH_CHECK(fd >= 0, "hsoffload: cannot create a spill file in spill_dir '", dir_, "': ", std::strerror(err),
-              err == EMFILE || err == ENFILE
-                  ? "; every spilled tensor holds one open file: raise the open-file limit (ulimit -n) or "
-                    "max_host_bytes"
-                  : "; check that the directory still exists and is writable");
-  // Reserve the file's blocks now: the I/O thread's writes then allocate nothing (faster on ext4/xfs), and a disk
-  // without room fails here, in the pack, with the figures. File systems without fallocate just go on.
-  if (::fallocate(fd, 0, 0, round_up(src.numel(), kBlock)) != 0 && (errno == ENOSPC || errno == EDQUOT)) {
-    const std::string message = io_error("spilling a saved tensor of", errno, src.numel(), fd);
-    ::close(fd);
-    TORCH_CHECK(false, message);
+  if (fd < 0) {
+    error = std::string("hsoffload: cannot create a spill file in spill_dir '") + dir_ + "': " + std::strerror(err) +
+            (err == EMFILE || err == ENFILE
+                 ? "; every spilled tensor holds one open file: raise the open-file limit (ulimit -n) or "
+                   "max_host_bytes"
+                 : "; check that the directory still exists and is writable");
+    return nullptr;
   }
-  auto file = std::make_shared<SpillFile>(fd, src.numel(), direct, std::move(errors), open_files_);
+  // Reserve the file's blocks now: the writes then allocate nothing (faster on ext4/xfs), and a disk without room
+  // fails here, with the figures. File systems without fallocate just go on.
+  if (::fallocate(fd, 0, 0, round_up(bytes, kBlock)) != 0 && (errno == ENOSPC || errno == EDQUOT)) {
+    error = io_error("spilling a saved tensor of", errno, bytes, fd);
+    ::close(fd);
+    return nullptr;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.direct_io = direct;
   }
+  return std::make_shared<SpillFile>(fd, bytes, direct, std::move(errors), open_files_);
+}
+
+std::shared_ptr<SpillFile> SpillStore::write(at::Tensor src, std::shared_ptr<c10::Event> produced,
+                                             std::optional<c10::Stream> copy_stream,
+                                             std::shared_ptr<SpillErrors> errors) {
+  TORCH_INTERNAL_ASSERT(src.scalar_type() == at::kByte && src.dim() == 1 && src.is_contiguous());
+  std::string error;
+  auto file = create_file(src.numel(), std::move(errors), error);
+  TORCH_CHECK(file != nullptr, error);  // in the pack: the forward fails with the figures
   enqueue([this, file, src = std::move(src), produced = std::move(produced), copy_stream](
               const at::Tensor& staging) mutable { run_write(file, std::move(src), produced, copy_stream, staging); });
   return file;
+}
+
+void SpillStore::write_host(int64_t bytes, TakeHost take, HostWritten done) {
+  enqueue([this, bytes, take = std::move(take), done = std::move(done)](const at::Tensor& staging) {
+    run_write_host(bytes, take, done, staging);
+  });
+}
+
+void SpillStore::run_write_host(int64_t bytes, const TakeHost& take, const HostWritten& done,
+                                const at::Tensor& staging) {
+  RECORD_USER_SCOPE("hsoffload::spill_write");
+  if (write_delay_ms_ > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(write_delay_ms_));  // test knob: a lagging disk
+  }
+  std::optional<HostSource> source = take();
+  if (!source) {
+    return;  // the graph that saved it is gone: nothing to write
+  }
+  const int64_t t0 = now_ns();
+  std::string error;
+  std::shared_ptr<SpillFile> file = create_file(bytes, nullptr, error);
+  if (file) {
+    wait_host_copy(source->d2h_done.get());
+    auto* buf = static_cast<char*>(staging.data_ptr());
+    size_t extent = 0;
+    int64_t in_extent = 0;  // bytes of source->extents[extent] already written
+    for (int64_t offset = 0; offset < bytes && error.empty(); offset += kChunkBytes) {
+      const int64_t len = std::min(kChunkBytes, bytes - offset);
+      for (int64_t filled = 0; filled < len;) {  // gather the chunk from the extents (host memory: a memcpy)
+        const at::Tensor& e = source->extents.at(extent);
+        const int64_t n = std::min(len - filled, e.numel() - in_extent);
+        std::memcpy(buf + filled, static_cast<const char*>(e.data_ptr()) + in_extent, static_cast<size_t>(n));
+        filled += n;
+        in_extent += n;
+        if (in_extent == e.numel()) {
+          ++extent;
+          in_extent = 0;
+        }
+      }
+      const int64_t padded = round_up(len, kBlock);
+      std::memset(buf + len, 0, padded - len);
+      if (const int err = file->transfer(/*write=*/true, buf, padded, offset)) {
+        error = io_error("spilling a saved tensor of", err, bytes, file->fd());
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(file->mutex);
+      file->written = true;
+      file->error = error;
+    }
+    if (!error.empty()) {
+      file.reset();  // closed: its space is given back now
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.write_ns += now_ns() - t0;
+    if (error.empty()) stats_.bytes_written += bytes;
+  }
+  done(std::move(file), error);
+  source.reset();  // after done: the host block stays lent until its location has moved to the file
 }
 
 void SpillStore::run_write(const std::shared_ptr<SpillFile>& file, at::Tensor src,
                            const std::shared_ptr<c10::Event>& produced, const std::optional<c10::Stream>& copy_stream,
                            const at::Tensor& staging) {
   RECORD_USER_SCOPE("hsoffload::spill_write");
+  if (write_delay_ms_ > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(write_delay_ms_));  // test knob: a lagging disk
+  }
   const int64_t t0 = now_ns();
   const int64_t n = file->bytes();
   std::string error;

@@ -206,6 +206,10 @@ SpillOrder spill_read_order(const at::Tensor& dst, SideStreams& streams) {
   return order;
 }
 
+void wait_host_copy(const c10::Event* d2h_done) {
+  if (d2h_done) d2h_done->synchronize();  // I2 (M20): the host block holds the bytes before the file write reads it
+}
+
 void stage_to_host(const at::Tensor& staging, const at::Tensor& src, const std::optional<c10::Stream>& stream,
                    const c10::Event* produced) {
   if (src.is_cpu()) {

@@ -89,10 +89,11 @@ at::Tensor offload_unpack(const at::Tensor& handle) {
 
 c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
                                                   bool use_streams, int64_t prefetch_depth, std::string spill_dir,
-                                                  int64_t spill_prefetch_depth) {
+                                                  int64_t spill_prefetch_depth, int64_t spill_wait_ms) {
   OffloadConfig config;
   config.spill_dir = std::move(spill_dir);
   config.spill_prefetch_depth = spill_prefetch_depth;
+  config.spill_wait_ms = spill_wait_ms;
   config.min_offload_size = min_offload_size;
   config.offload_cpu_tensors = offload_cpu_tensors;
   config.pin_memory = pin_memory;

@@ -23,7 +23,7 @@ at::Tensor offload_unpack(const at::Tensor& handle);
 
 c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
                                                   bool use_streams, int64_t prefetch_depth, std::string spill_dir,
-                                                  int64_t spill_prefetch_depth);
+                                                  int64_t spill_prefetch_depth, int64_t spill_wait_ms);
 // The stats ops return name -> value; the names are the lists in hsoffload/stats.h.
 c10::Dict<std::string, int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
 c10::Dict<std::string, int64_t> scope_spill_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);

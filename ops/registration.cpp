@@ -15,7 +15,8 @@ TORCH_LIBRARY(hsoffload, m) {
       .def(torch::init(&make_scope), "an offload scope (docs/ops.md, Classes)",
            {torch::arg("min_offload_size") = 1024, torch::arg("offload_cpu_tensors") = false,
             torch::arg("pin_memory") = true, torch::arg("use_streams") = true, torch::arg("prefetch_depth") = 1,
-            torch::arg("spill_dir") = "", torch::arg("spill_prefetch_depth") = 2})
+            torch::arg("spill_dir") = "", torch::arg("spill_prefetch_depth") = 2,
+            torch::arg("spill_wait_ms") = 30000})
       .def("enter", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->enter(); })
       .def("exit", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->exit(); })
       .def("active", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->active(); })

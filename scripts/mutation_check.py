@@ -2,7 +2,8 @@
 """Proof that the emulated-device tests can fail: delete each stream/event rule's line in csrc/, one at a time.
 
 The rules live in csrc/transfer.cpp (tagged I1-I4 and Mn there), except M10 (host pool), M11 (prefetch order) and
-M18 (unpack waits for a spill read) and M19 (the pack's graph-capture guard, csrc/scope.cpp).
+M18 (unpack waits for a spill read) and M19 (the pack's graph-capture guard, csrc/scope.cpp). M20: a spill write of
+a host copy waits for that copy (csrc/transfer.cpp).
 
 For every mutation below, a scratch copy of the sources gets that one line removed (or replaced), the op library is
 rebuilt from the copy, and tests/emu runs against it (HSOFFLOAD_LIBRARY points the loader at the mutant). A mutation
@@ -83,6 +84,9 @@ MUTATIONS = [
              "csrc/scope.cpp",
              "if (device_ok && (capturing || stream_capturing(x.device()))) {  // (M19) no transfer while capturing",
              "if (false) {"),
+    Mutation("M20", "spill from host: the I/O thread reads a host copy only after its device->host copy completed",
+             "csrc/transfer.cpp",
+             "if (d2h_done) d2h_done->synchronize();  // I2 (M20): the host block holds the bytes before the file write reads it"),
 ]
 
 _SOURCES = ("CMakeLists.txt", "csrc", "ops", "tests/emu")

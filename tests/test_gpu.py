@@ -300,9 +300,50 @@ def test_spill_tier_on_gpu_bitwise(tmp_path: Path):
             assert torch.equal(a[0], loss.detach())
             assert all(torch.equal(g, p.grad) for g, p in zip(a[1], off.parameters()))
             assert s.spilled_tensors > 0 and s.spilled_bytes > 0, s
+            assert s.spilled_from_device_tensors == 0, s  # host first, then disk
             assert s.offloaded_tensors == layers and s.restored_tensors == layers, s
         gc.collect()
         assert list(tmp_path.iterdir()) == []  # anonymous files: never a name on disk
+    finally:
+        gc.collect()
+        hsoffload.set_host_budget("auto")
+
+
+def test_spill_frees_device_memory_at_copy_speed_while_the_disk_lags(tmp_path: Path, monkeypatch):
+    """Spill from host: with every disk write made to take 200 ms, the device holds after forward exactly what it
+    holds when the budget has room for everything (the hidden states left at PCIe speed); written from device memory
+    (no host room at all), it holds the unwritten ones. Gradients bitwise in all three."""
+    monkeypatch.setenv("HSOFFLOAD_TEST_SPILL_WRITE_DELAY_MS", "200")
+    torch.manual_seed(0)
+    layers = 6
+    ref = Stack(256, layers).cuda()
+    off = copy.deepcopy(ref)
+    x = torch.randn(2, 4096, 256, device="cuda", requires_grad=True)
+    state = x.numel() * x.element_size()
+    want = _step(ref, x, False)
+    held: dict[str, int] = {}
+    try:
+        for name, budget in (("roomy", 4 * layers * state), ("lagging", 2 * state), ("from_device", 0)):
+            d = tmp_path / name  # a store of its own: it reads the delay knob when created
+            d.mkdir()
+            hsoffload.set_host_budget(budget)
+            off.zero_grad(set_to_none=True)
+            with OffloadScope(min_offload_size=0, max_host_bytes=budget, spill_dir=str(d)) as scope:
+                loss = off(x)
+                torch.cuda.synchronize()
+                held[name] = torch.cuda.memory_allocated()
+                written = scope.spill_stats()["bytes_written"]
+                loss.backward()
+            torch.cuda.synchronize()
+            s = scope.stats
+            assert torch.equal(want[0], loss.detach())
+            assert all(torch.equal(g, p.grad) for g, p in zip(want[1], off.parameters()))
+            if name != "roomy":
+                assert written < s.spilled_bytes, (name, written, s)  # the disk lagged behind forward
+        _figure("spill_from_host_on_gpu", held_after_forward_mib={k: v / MiB for k, v in held.items()},
+                state_mib=state / MiB)
+        assert held["lagging"] == held["roomy"], held
+        assert held["from_device"] >= held["roomy"] + 2 * state, held
     finally:
         gc.collect()
         hsoffload.set_host_budget("auto")

@@ -58,8 +58,10 @@ def test_tiny_llama_with_a_quarter_budget_spills_and_is_bitwise(reentrant: bool,
     H.assert_bitwise_equal(ours, H.train_steps(reference, data, offload=False))
     for s in ours[2]:
         assert s.offloaded_bytes == offloaded and s.restored_bytes == offloaded, s
-        assert s.spilled_bytes * 4 >= offloaded * 3, s  # >= 75 % went to disk
-        assert s.spilled_tensors == layers - 1 and s.kept_on_device_tensors == 0, s
+        # A budget of one layer: every copy goes to host at copy speed, then to disk (the spill tier keeps room for the
+        # next pack), none straight from the device, none left on it.
+        assert s.spilled_bytes == offloaded and s.spilled_tensors == layers, s
+        assert s.spilled_from_device_tensors == 0 and s.kept_on_device_tensors == 0, s
         assert s.prefetch_hits >= layers - 2, s  # spilled tensors were read back ahead of their unpack
     assert hsoffload.budget_stats().peak <= budget
     with OffloadScope(OffloadConfig(**kwargs)) as scope:
@@ -243,7 +245,8 @@ _CHILD_ENOSPC = textwrap.dedent(
     with open(os.path.join(d, "filler"), "wb") as f:  # leave about 128 KiB free
         f.write(b"x" * (1024 * 1024 - 128 * 1024))
     free_before = os.statvfs(d).f_bavail * os.statvfs(d).f_frsize
-    kw = dict(offload_cpu_tensors=True, min_offload_size=0, max_host_bytes=0, spill_dir=d)
+    budget = int(sys.argv[2])  # 0: every copy goes from device to disk; else host first, then disk
+    kw = dict(offload_cpu_tensors=True, min_offload_size=0, max_host_bytes=budget, spill_dir=d)
     try:
         with OffloadScope(**kw) as scope:
             step().backward()
@@ -262,7 +265,8 @@ _CHILD_ENOSPC = textwrap.dedent(
     for l in layers: l.zero_grad(set_to_none=True)
     with OffloadScope(**kw) as scope:
         step().backward()
-    assert scope.stats.spilled_tensors == 6, scope.stats
+    assert scope.stats.spilled_tensors == 6 if budget == 0 else scope.stats.spilled_tensors >= 4, scope.stats
+    assert scope.stats.spilled_from_device_tensors == (6 if budget == 0 else 0), scope.stats
     got = [p.grad for l in layers for p in l.parameters()]
     assert all(torch.equal(g, w) for g, w in zip(got, want)), "gradients differ after the failed step"
     print("ENOSPC-OK", msg)
@@ -276,7 +280,8 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def test_disk_full_mid_step_raises_then_releases_everything(tmp_path: Path) -> None:
+@pytest.mark.parametrize("budget", [pytest.param(0, id="from-device"), pytest.param(128 * 1024, id="from-host")])
+def test_disk_full_mid_step_raises_then_releases_everything(tmp_path: Path, budget: int) -> None:
     unshare = shutil.which("unshare")
     probe = subprocess.run([unshare or "unshare", "--user", "--map-root-user", "--mount", "true"],
                            capture_output=True) if unshare else None
@@ -286,7 +291,8 @@ def test_disk_full_mid_step_raises_then_releases_everything(tmp_path: Path) -> N
     script.write_text(_CHILD_ENOSPC)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    r = subprocess.run([unshare, "--user", "--map-root-user", "--mount", sys.executable, str(script), str(mnt)],
+    r = subprocess.run([unshare, "--user", "--map-root-user", "--mount", sys.executable, str(script), str(mnt),
+                        str(budget)],
                        capture_output=True, text=True, timeout=300, env=_child_env())
     assert r.returncode == 0 and "ENOSPC-OK" in r.stdout, r.stdout + r.stderr
 

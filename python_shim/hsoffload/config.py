@@ -67,6 +67,9 @@ class OffloadConfig:
     # Directory for packs over the host budget (None: they stay on the device). Default: $HSOFFLOAD_SPILL_DIR.
     spill_dir: Optional[str] = dataclasses.field(default_factory=_env_spill_dir)
     spill_prefetch_depth: int = 2  # spilled tensors read back ahead of their use in backward
+    # When packs outrun the disk and the host budget is full of copies being written out: how long a pack waits for
+    # room (ms); past it, or with 0, the tensor stays on the device (counted in kept_on_device_tensors).
+    spill_wait_ms: int = 30000
     # What is offloaded: "hidden_states", "sac", "all", or a callable (tensor, module_qualified_name) -> bool
     # (see hsoffload.policy and docs/usage.md, "Offload policies").
     policy: Policy = "hidden_states"
@@ -94,7 +97,7 @@ class OffloadConfig:
             if not isinstance(self.spill_dir, (str, os.PathLike)) or not str(self.spill_dir):
                 raise ValueError(f"hsoffload: spill_dir must be a directory path or None, got {self.spill_dir!r}")
             object.__setattr__(self, "spill_dir", os.fspath(self.spill_dir))
-        for name in ("min_offload_size", "prefetch_depth", "spill_prefetch_depth", "keep_last_layers"):
+        for name in ("min_offload_size", "prefetch_depth", "spill_prefetch_depth", "spill_wait_ms", "keep_last_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"hsoffload: {name} must be a non-negative int, got {value!r}")

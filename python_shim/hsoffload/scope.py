@@ -95,6 +95,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             c.prefetch_depth,
             c.spill_dir or "",
             c.spill_prefetch_depth,
+            c.spill_wait_ms,
         )
         scope_id = int(self._scope.id())
         pack_op = torch.ops.hsoffload.offload_pack.default
@@ -281,7 +282,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 "applies to eager and non-captured compiled code only. See scope.stats.captured_passthrough.",
                 stats.captured_passthrough,
             )
-        if stats.kept_on_device_tensors > 0:
+        if stats.kept_on_device_tensors > 0 and not self.config.spill_dir:
             log_once(
                 "kept-on-device",
                 logging.WARNING,
@@ -290,6 +291,29 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 "local disk, or raise max_host_bytes. See scope.stats.kept_on_device_tensors.",
                 stats.kept_on_device_tensors,
                 budget_stats().limit,
+            )
+        elif stats.kept_on_device_tensors > 0:
+            log_once(
+                "kept-on-device-disk-lags",
+                logging.WARNING,
+                "hsoffload: %d marked tensors stayed on the device because the host budget (max_host_bytes=%d "
+                "bytes) was full and the spill writes to %s did not free room within spill_wait_ms=%d (packs "
+                "outran the disk). Use a faster local disk, raise max_host_bytes or spill_wait_ms. See "
+                "scope.stats.kept_on_device_tensors and pack_wait_ns.",
+                stats.kept_on_device_tensors,
+                budget_stats().limit,
+                self.config.spill_dir,
+                self.config.spill_wait_ms,
+            )
+        if stats.spill_write_errors > 0:
+            log_once(
+                "spill-write-errors",
+                logging.WARNING,
+                "hsoffload: %d spill writes to %s failed (disk full or an I/O error; the first error was raised at "
+                "the next pack, if one came); those copies stayed in host memory. Free space there or point "
+                "spill_dir at a larger local disk. See scope.stats.spill_write_errors.",
+                stats.spill_write_errors,
+                self.config.spill_dir,
             )
         if stats.skipped_marked_tensors > 0:
             log_once(

@@ -26,12 +26,15 @@ class OffloadStats:
     offloaded_bytes: int = 0  # bytes copied device -> host (or spilled)
     restored_bytes: int = 0  # bytes copied host -> device
     prefetch_hits: int = 0  # restores served by a prefetch issued earlier
-    wait_ns: int = 0  # host time inside unpack for restores that were not prefetched
+    wait_ns: int = 0  # host time the hooks blocked: unpacks not prefetched, packs waiting for host budget
     pool_bytes: int = dataclasses.field(default=0, metadata={"snapshot": True})  # host pool bytes held now
-    spilled_tensors: int = 0  # offloaded tensors written to spill_dir (over the host budget)
+    spilled_tensors: int = 0  # offloaded tensors whose copy went to spill_dir (oldest host copies first)
     spilled_bytes: int = 0  # their bytes (included in offloaded_bytes)
     spill_read_wait_ns: int = 0  # host time unpack waited for spilled tensors to be read back
-    kept_on_device_tensors: int = 0  # marked tensors over the host budget with no spill_dir: left in place
+    kept_on_device_tensors: int = 0  # over the host budget, left in place (no spill_dir, or no room in time)
+    pack_wait_ns: int = 0  # host time packs waited for spill writes to free host budget (included in wait_ns)
+    spill_write_errors: int = dataclasses.field(default=0, metadata={"snapshot": True})  # failed spill writes
+    spilled_from_device_tensors: int = 0  # spilled straight from device memory: no host copy could make room
     captured_passthrough: int = 0  # marked tensors saved during a graph capture (CUDA graphs): left in place
 
 

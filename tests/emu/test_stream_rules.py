@@ -278,6 +278,27 @@ def test_spill_read_reuses_staging_only_after_its_copy(dev, spill_scope):
         assert torch.equal(restored.cpu(), x.cpu())
 
 
+def test_spill_from_host_waits_for_the_host_copy(dev, tmp_path):
+    """Spill from host: the I/O thread writes a host copy to its file only after the device->host copy into that
+    block has landed (d2h_done); the restore then reads the file."""
+    scope = _scope(max_host_bytes=N * 4, spill_dir=str(tmp_path))  # room for this one copy: written out at once
+    try:
+        with hsemu.copy_delay(d2h_us=DELAY):
+            with scope:
+                handle = _pack(scope, _full(4.0, dev))
+                _written(scope, N * 4)
+        import time
+
+        deadline = time.monotonic() + 30
+        while hsoffload.budget_stats().in_flight > 0:  # the copy moved to the file and gave its host block back
+            assert time.monotonic() < deadline, hsoffload.budget_stats()
+            time.sleep(0.001)
+        assert scope.stats.spilled_tensors == 1 and scope.stats.spilled_from_device_tensors == 0, scope.stats
+        _expect(unpack_op(handle), 4.0)
+    finally:
+        hsoffload.set_host_budget("auto")
+
+
 def test_unpack_waits_for_the_spill_read(dev, spill_scope):
     """Unpack: the restored tensor is handed out only once the I/O thread has read it back."""
     scope = spill_scope()

@@ -7,12 +7,17 @@
 // divided by LOCAL_WORLD_SIZE (the ranks of one node share its RAM).
 //
 // Thread-safety: every method may be called from any thread; one mutex guards
-// the limit and the counters. A HostLease is owned by one record.
+// the limit and the counters; waiters sleep on one condition variable, woken
+// whenever bytes are given back (and by wake()). A HostLease is owned by one
+// record.
 #pragma once
 
 #include "hsoffload/stats.h"
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 
@@ -56,6 +61,15 @@ class HostBudget : public std::enable_shared_from_this<HostBudget> {
   bool try_reserve(int64_t bytes, HostLease& lease);
   // Whether try_reserve(bytes) would succeed now (reserves nothing; another thread may take the room first).
   bool fits(int64_t bytes);
+  // limit - in_flight now (negative after a lower limit was set under live leases).
+  int64_t room();
+  // Blocks the calling thread (which must hold no lock that a lease's release needs) until fits(bytes), until
+  // `deadline`, or until `give_up()` (asked under the budget's mutex, so it must not take it) says so; returns
+  // fits(bytes) then. Woken by every give-back and by wake().
+  bool wait_for_room(int64_t bytes, std::chrono::steady_clock::time_point deadline,
+                     const std::function<bool()>& give_up);
+  // Wakes every wait_for_room (something its give_up() reads has changed).
+  void wake();
   // Changes the limit (< 0: auto, recomputed now). Live leases are kept even
   // if they exceed a lower limit; new ones must fit. Resets `peak` to the
   // bytes in flight now and `refused` to 0.
@@ -70,6 +84,7 @@ class HostBudget : public std::enable_shared_from_this<HostBudget> {
   void resolve_locked();
 
   std::mutex mutex_;
+  std::condition_variable room_freed_;
   BudgetStats stats_;  // is_auto, mem_available and local_world_size are filled in by stats()
   bool is_auto_ = true;     // the limit comes from compute_auto_budget()
   AutoBudget auto_figures_;  // valid when is_auto_ and resolved_

@@ -7,7 +7,8 @@
 // address reused by a new storage never matches.
 //
 // Thread-safety: RecordIndex has none of its own; its owner (OffloadScope) calls it under its mutex. A record's
-// `restore` state is guarded by `record.mutex` (the owning scope's mutex); the rest is written once, at pack.
+// `restore` state is guarded by `record.mutex` (the owning scope's mutex); its `copy` by the copy's own mutex (the
+// spill tier's I/O threads change it); the rest is written once, at pack.
 #pragma once
 
 #include "hsoffload/host_budget.h"
@@ -18,6 +19,7 @@
 #include <c10/core/Stream.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -45,13 +47,28 @@ struct SourceSpan {
   bool covers(const c10::StorageImpl* storage, int64_t begin, int64_t end) const;
 };
 
-// Where the copied bytes are: a host block (with its share of the host budget), or a spill file.
+// Where the copied bytes are: a host block (with its share of the host budget), a spill file, or both while a spill
+// write of the host block runs. The spill tier moves a host copy to a file in the background (docs/design.md, "Host
+// budget and spill tier") and gives the host block and its budget back from an I/O thread, which never takes a
+// scope's mutex; so a CopyLocation has a mutex of its own (taken after the scope's, never before). Owned by its
+// record; a spill write in progress holds it too.
 struct CopyLocation {
+  enum class Where : int {
+    kHost,         // in `host`
+    kSpilling,     // in `host`, and being written to a file (the host block is read, never written)
+    kFile,         // in `spill` only (written, or being written straight from the device)
+    kSpillFailed,  // in `host`; its write failed (the error went to the scope): never written again
+  };
+  std::mutex mutex;  // guards lease, host, store, spill; `where` changes under it
+  std::atomic<Where> where{Where::kHost};  // may be read without the mutex (a prefetch decision)
   HostLease lease;
   HostBlock host;
-  std::shared_ptr<SpillStore> store;  // set iff spilled; kept so a restore can read after the scope is gone
+  std::shared_ptr<SpillStore> store;  // set iff a file exists; kept so a restore can read after the scope is gone
   std::shared_ptr<SpillFile> spill;
-  std::shared_ptr<c10::Event> d2h_done;  // the device->host copy's done event; null when it was synchronous
+  std::shared_ptr<c10::Event> d2h_done;  // the device->host copy's done event; null when it was synchronous. Set at
+                                         // pack, before the location is shared: read without the mutex.
+
+  bool in_host() const { return where.load() != Where::kFile; }
 };
 
 // The state of the restore in progress or last done. Guarded by the record's mutex.
@@ -73,12 +90,12 @@ struct OffloadRecord {
   int64_t group = 0;  // prefetch group (OffloadScope::begin_group), increasing in pack order
   int64_t epoch = 0;  // the scope entry that packed it
   SourceSpan source;
-  CopyLocation copy;
+  std::shared_ptr<CopyLocation> copy = std::make_shared<CopyLocation>();
   RestoreState restore;
   std::shared_ptr<std::mutex> mutex;  // the owning scope's mutex
 
   int64_t bytes() const { return source.bytes(); }
-  bool spilled() const { return copy.spill != nullptr; }
+  bool spilled() const { return !copy->in_host(); }  // the next restore reads a file
 };
 
 // The live records of one scope.

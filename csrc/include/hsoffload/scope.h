@@ -21,6 +21,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -53,6 +54,9 @@ struct OffloadConfig {
   std::string spill_dir;
   // How many groups of spilled tensors to read back ahead of their unpack in backward.
   int64_t spill_prefetch_depth = 2;
+  // With spill_dir: how long a pack may wait (ms) for the spill tier to free host budget when packs outrun the disk;
+  // past it, or with 0, the tensor stays on the device (kept_on_device_tensors). The wait counts in wait_ns.
+  int64_t spill_wait_ms = 30000;
 
   void validate() const;
 };
@@ -152,20 +156,29 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool, std::shared_ptr<HostBudget> budget);
   void prune_locked();
   void maybe_prune_locked();
-  // Host memory a pack must obtain before it can go on (bytes 0: none): pack grows the pool holding no lock.
+  // What a pack must wait for before it can go on, holding no lock: pool bytes to allocate (`bytes`, pinned or not),
+  // or host budget that spill writes under way will free (`budget_bytes`).
   struct HostNeed {
     int64_t bytes = 0;
     bool pinned = false;
+    int64_t budget_bytes = 0;
+    bool any() const { return bytes > 0 || budget_bytes > 0; }
   };
   // pack's decision and copy, under the lock. `first`: may return a HostNeed instead of allocating (the retry
   // after growing may not, and does not count the save again).
   HostNeed pack_locked(const at::Tensor& x, bool capturing, SavedHandle& handle, bool first);
-  // `defer` non-null: if the copy fits the budget but the pool lacks the room, sets it and returns null.
+  // `defer` non-null: if the copy fits the budget but the pool lacks the room, or it does not fit but spill writes
+  // will make room, sets it and returns null.
   std::shared_ptr<OffloadRecord> offload_locked(const at::Tensor& x, int64_t begin, int64_t end, HostNeed* defer);
+  // The spill tier's order: queues writes of this scope's oldest host copies (pack order: backward needs them
+  // last) until, once they finish, the budget has room for `need` bytes plus the headroom the next packs need.
+  void spill_oldest_locked(int64_t need);
+  void start_host_write_locked(const std::shared_ptr<CopyLocation>& copy, int64_t bytes);
   at::Tensor restore(const SavedHandle& handle);
   // The three transfers a record goes through (transfer.h does the stream work).
   void copy_to_host_locked(OffloadRecord& record, const at::Tensor& x);
-  void spill_locked(OffloadRecord& record, const at::Tensor& x);
+  // Straight from the device to a file: only for a copy larger than the whole host budget.
+  void spill_from_device_locked(OffloadRecord& record, const at::Tensor& x);
   void copy_to_device_locked(OffloadRecord& record);
 
   const OffloadConfig config_;
@@ -173,6 +186,9 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   const std::shared_ptr<HostBudget> budget_;
   std::shared_ptr<SpillStore> spill_;  // opened by enter() when config_.spill_dir is set
   const std::shared_ptr<SpillErrors> spill_errors_ = std::make_shared<SpillErrors>();
+  // Host bytes whose spill writes are queued or running (shared with those jobs, which may outlive the scope).
+  const std::shared_ptr<std::atomic<int64_t>> writing_bytes_ = std::make_shared<std::atomic<int64_t>>(0);
+  int64_t largest_copy_ = 0;  // the largest host copy this scope made: the spill tier keeps room for two
   const int64_t id_;
   // Shared with this scope's records so a handle can restore after the scope object is gone.
   const std::shared_ptr<std::mutex> mutex_;

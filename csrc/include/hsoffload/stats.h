@@ -24,12 +24,15 @@ namespace hsoffload {
   X(offloaded_bytes, "bytes copied device -> host")                                                                \
   X(restored_bytes, "bytes copied host -> device")                                                                 \
   X(prefetch_hits, "restores served by a prefetch issued earlier")                                                 \
-  X(wait_ns, "host time spent inside unpack for restores that were not prefetched")                                \
+  X(wait_ns, "host time the hooks blocked: unpacks of restores not prefetched, packs waiting for host budget")     \
   X(pool_bytes, "host pool bytes held (a snapshot taken when the stats are read, never summed)")                   \
-  X(spilled_tensors, "offloaded tensors that went to spill_dir (over the host budget)")                            \
+  X(spilled_tensors, "offloaded tensors whose copy went to spill_dir (host copies written to make room, oldest first)") \
   X(spilled_bytes, "their bytes (included in offloaded_bytes)")                                                    \
   X(spill_read_wait_ns, "host time unpack waited for spilled tensors to be read back")                             \
-  X(kept_on_device_tensors, "marked tensors over the host budget with no spill_dir: left in place")             \
+  X(kept_on_device_tensors, "marked tensors over the host budget left in place (no spill_dir, or no room in time)") \
+  X(pack_wait_ns, "host time packs waited for spill writes to free host budget (included in wait_ns)")              \
+  X(spill_write_errors, "spill writes that failed (a snapshot when read; a host copy whose write failed stays in host)") \
+  X(spilled_from_device_tensors, "spilled straight from device memory: no host copy of the scope could make room")  \
   X(captured_passthrough, "marked tensors saved while the current stream was capturing a graph: left in place")
 
 // The process-wide host pool (HostPool::stats()).

@@ -7,7 +7,8 @@
 //   copy_to_device  host -> device, at restore/prefetch (e_alloc, d2h_done, side-stream use, h2d_done)
 //   consume         at unpack: the consumer's stream waits h2d_done; a foreign consumer is made known
 // The spill tier takes its stream order from `spill_write_order` / `spill_read_order` at pack/restore, and its I/O
-// threads copy through `stage_to_host` / `stage_to_device`. "The compute stream" is always the stream current on
+// threads copy through `stage_to_host` / `stage_to_device`, or wait for a pack's host copy (`wait_host_copy`) before
+// writing a host block to a file. "The compute stream" is always the stream current on
 // the tensor's device at the time of the call, never a cached one. CPU tensors take the synchronous path: no events.
 //
 // Graph capture (CUDA graphs): none of the entry points below may run while the current stream is capturing (they
@@ -15,7 +16,6 @@
 // it starts a transfer and passes the tensor through instead (docs/design.md, "Graph capture").
 // Pinned memory: `acquire_host_block` only lends; the scope makes room in the pool (HostPool::reserve) before it
 // takes its lock, so no pinned allocation happens under a lock in the common case (docs/design.md).
-// Where the next change goes: spilling from a host block (host -> file) adds a step here that waits `d2h_done`.
 //
 // Thread-safety: the free functions hold no state (they touch only their arguments, which the caller owns or
 // guards). SideStreams is not thread-safe: its owner (a scope) calls it under its mutex.
@@ -115,6 +115,10 @@ SpillOrder spill_write_order(const at::Tensor& src, SideStreams& streams);
 // Restore from the spill tier into `dst` (allocated on the current stream): `ready` = e_alloc, copies on the
 // host->device side stream.
 SpillOrder spill_read_order(const at::Tensor& dst, SideStreams& streams);
+
+// On a spill I/O thread, before it reads a host block to write it to a file: blocks this thread (never a device
+// stream) until `d2h_done` (the pack's device->host copy into that block) has completed. Null: nothing to wait for.
+void wait_host_copy(const c10::Event* d2h_done);
 
 // On a spill I/O thread: copies `src` (CPU or device bytes) into `staging` (host, same size), on `stream` after
 // `produced` if given, and blocks this thread (never a device stream) until the copy is done.

@@ -16,6 +16,7 @@ In the Axolotl YAML::
                                           # host figure; null: the pool grows during the first steps)
     hsoffload_spill_dir: null             # local directory for what exceeds it (null: it stays on the GPU)
     hsoffload_spill_prefetch_depth: 2     # spilled tensors read back ahead of their use
+    hsoffload_spill_wait_ms: 30000        # a pack's longest wait for host room when the disk lags (0: keep on device)
     hsoffload_use_streams: true           # copies on side streams
     hsoffload_offload_cpu_tensors: false  # also copy CPU tensors (CPU smoke runs; no benefit otherwise)
     hsoffload_policy: hidden_states       # or sac (plus what selective checkpointing keeps) or all (every saved
@@ -70,6 +71,7 @@ KEYS: dict[str, tuple[type, str]] = {
     "hsoffload_reserve_host_bytes": (str, "null, an int >= 0 (bytes) or a size such as 24GiB"),
     "hsoffload_spill_dir": (str, "null or a directory path"),
     "hsoffload_spill_prefetch_depth": (int, "an int >= 0"),
+    "hsoffload_spill_wait_ms": (int, "an int >= 0 (milliseconds)"),
     "hsoffload_use_streams": (bool, "true or false"),
     "hsoffload_offload_cpu_tensors": (bool, "true or false"),
     "hsoffload_policy": (str, "hidden_states, sac or all"),
@@ -91,6 +93,7 @@ try:
         hsoffload_reserve_host_bytes: Optional[Union[StrictInt, StrictStr]] = None
         hsoffload_spill_dir: Optional[StrictStr] = None
         hsoffload_spill_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
+        hsoffload_spill_wait_ms: Optional[StrictInt] = Field(default=None, ge=0)
         hsoffload_use_streams: Optional[StrictBool] = None
         hsoffload_offload_cpu_tensors: Optional[StrictBool] = None
         hsoffload_policy: Optional[Literal["hidden_states", "sac", "all"]] = None
@@ -187,6 +190,7 @@ def offload_config(cfg: Any) -> OffloadConfig:
         "reserve_host_bytes": _cfg_get(cfg, "hsoffload_reserve_host_bytes"),
         "spill_dir": _cfg_get(cfg, "hsoffload_spill_dir"),
         "spill_prefetch_depth": _cfg_get(cfg, "hsoffload_spill_prefetch_depth"),
+        "spill_wait_ms": _cfg_get(cfg, "hsoffload_spill_wait_ms"),
         "policy": _cfg_get(cfg, "hsoffload_policy"),
         "keep_last_layers": _cfg_get(cfg, "hsoffload_keep_last_layers"),
         "offload_fraction": _cfg_get(cfg, "hsoffload_offload_fraction"),
