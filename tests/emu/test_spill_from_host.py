@@ -90,6 +90,10 @@ def test_device_memory_is_freed_at_copy_speed_while_the_disk_lags(setup):
     d = direct["stats"]
     assert d.spilled_from_device_tensors == LAYERS and direct["written_after_forward"] < d.spilled_bytes, d
     assert direct["held"] >= roomy["held"] + 2 * STATE, (direct["held"], roomy["held"])
+    print(f"\ndevice bytes held after forward (emulated device, {LAYERS} layers of {STATE >> 10} KiB, writes "
+          f"{WRITE_DELAY_MS} ms each): no spill {roomy['held']}, spill from host {lagging['held']} (written by then "
+          f"{lagging['written_after_forward']} of {s.spilled_bytes}, packs waited {s.pack_wait_ns / 1e6:.0f} ms), "
+          f"spill from device {direct['held']} (written {direct['written_after_forward']} of {d.spilled_bytes})")
     for got in (roomy, lagging, direct):
         assert all(torch.equal(g, r) for g, r in zip(got["grads"], reference))
 
