@@ -161,6 +161,15 @@ bool HostPool::serve_locked(int64_t need, bool pinned, HostBlock& block) {
   return true;
 }
 
+void HostPool::add_staging(int64_t bytes, bool pinned) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.staging_bytes += bytes;
+  if (pinned) {
+    stats_.pinned_bytes += bytes;
+    pinned_staging_bytes_ += bytes;
+  }
+}
+
 std::vector<int64_t> HostPool::grow_sizes_locked(int64_t deficit, bool pinned) {
   std::vector<int64_t> sizes;
   const int64_t unit = slab_size(stats_.held_bytes, deficit);
@@ -169,10 +178,11 @@ std::vector<int64_t> HostPool::grow_sizes_locked(int64_t deficit, bool pinned) {
   }
   int64_t new_bytes = 0;
   for (int64_t s : sizes) new_bytes += s;
-  if (stats_.held_bytes + new_bytes > limit_) {
-    trim_locked(std::max<int64_t>(0, limit_ - new_bytes), /*only_kind=*/!pinned);  // idle slabs of the other kind
+  const int64_t room = limit_ - pinned_staging_bytes_;  // pinned spill staging shares the limit
+  if (stats_.held_bytes + new_bytes > room) {
+    trim_locked(std::max<int64_t>(0, room - new_bytes), /*only_kind=*/!pinned);  // idle slabs of the other kind
   }
-  if (stats_.held_bytes + new_bytes > limit_) {
+  if (stats_.held_bytes + new_bytes > room) {
     sizes.clear();  // over the bound
   }
   return sizes;

@@ -120,7 +120,7 @@ std::shared_ptr<OffloadScope> OffloadScope::find(int64_t id) {
 void OffloadScope::enter() {
   // Checked at every entry (a directory can vanish between steps); raises naming the path before any state changes.
   std::shared_ptr<SpillStore> store =
-      config_.spill_dir.empty() ? nullptr : SpillStore::open(config_.spill_dir, config_.pin_memory);
+      config_.spill_dir.empty() ? nullptr : SpillStore::open(config_.spill_dir, config_.pin_memory, pool_);
   {
     std::lock_guard<std::mutex> lock(*mutex_);
     TORCH_CHECK(!active_ || owner_ == std::this_thread::get_id(),

@@ -186,7 +186,8 @@ std::shared_ptr<c10::Event> SpillRead::wait() {
 
 // ---------------------------------------------------------------------------
 
-std::shared_ptr<SpillStore> SpillStore::open(const std::string& dir, bool pinned_staging) {
+std::shared_ptr<SpillStore> SpillStore::open(const std::string& dir, bool pinned_staging,
+                                             std::shared_ptr<HostPool> pool) {
   struct stat st {};
   TORCH_CHECK_VALUE(!dir.empty(), "hsoffload: spill_dir is empty; pass a directory on a local disk");
   TORCH_CHECK_VALUE(::stat(dir.c_str(), &st) == 0, "hsoffload: spill_dir '", dir, "' does not exist (",
@@ -208,13 +209,14 @@ std::shared_ptr<SpillStore> SpillStore::open(const std::string& dir, bool pinned
     return existing;
   }
   const bool pinned = pinned_staging && accelerator_usable();
-  std::shared_ptr<SpillStore> store(new SpillStore(dir, pinned));  // private ctor
+  std::shared_ptr<SpillStore> store(new SpillStore(dir, pinned, std::move(pool)));  // private ctor
   store->stats_.direct_io = direct;
   slot = store;
   return store;
 }
 
-SpillStore::SpillStore(std::string dir, bool pinned_staging) : dir_(std::move(dir)) {
+SpillStore::SpillStore(std::string dir, bool pinned_staging, std::shared_ptr<HostPool> pool)
+    : dir_(std::move(dir)), pool_(std::move(pool)), pinned_staging_(pinned_staging) {
   if (const char* delay = std::getenv("HSOFFLOAD_TEST_SPILL_WRITE_DELAY_MS")) {
     write_delay_ms_ = std::max<int64_t>(0, std::strtoll(delay, nullptr, 10));
   }
@@ -223,6 +225,7 @@ SpillStore::SpillStore(std::string dir, bool pinned_staging) : dir_(std::move(di
     staging_.push_back(aligned_chunk(kChunkBytes, pinned_staging, held));
     stats_.staging_bytes += held;
   }
+  if (pool_) pool_->add_staging(stats_.staging_bytes, pinned_staging_);
   for (int64_t i = 0; i < kIoThreads; ++i) {
     threads_.emplace_back(worker, queue_, staging_[i]);
   }
@@ -235,6 +238,8 @@ SpillStore::~SpillStore() {
     queue_->jobs.clear();  // nobody holds a record of these files any more: their data is not needed
   }
   queue_->cv.notify_all();
+  if (pool_) pool_->add_staging(-stats_.staging_bytes, pinned_staging_);  // freed with staging_ (the detached
+                                                                        // thread's copy of its chunk aside)
   for (auto& t : threads_) {
     if (t.get_id() == std::this_thread::get_id()) {
       t.detach();  // the last reference went inside a job on this I/O thread: it leaves its loop through the queue

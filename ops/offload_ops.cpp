@@ -129,7 +129,7 @@ void set_host_budget(int64_t max_bytes) {
 c10::Dict<std::string, int64_t> budget_stats() {
   BudgetStats s = global_host_budget()->stats();
   const PoolStats pool = global_host_pool()->stats();
-  s.host_bytes = pool.held_bytes + pool.unpooled_bytes;  // the same bytes pool_stats() reports
+  s.host_bytes = pool.held_bytes + pool.unpooled_bytes + pool.staging_bytes;  // the same bytes pool_stats() reports
   return to_dict(s);
 }
 

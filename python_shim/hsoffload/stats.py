@@ -52,7 +52,8 @@ class PoolStats:
     acquires: int = 0  # blocks handed out
     slabs: int = 0  # slabs held now
     unpooled_bytes: int = 0  # unpooled blocks lent now (outside held_bytes)
-    pinned_bytes: int = 0  # pinned bytes held for offload now: pinned slabs + pinned unpooled blocks
+    pinned_bytes: int = 0  # pinned bytes held for offload now: pinned slabs, unpooled blocks and spill staging
+    staging_bytes: int = 0  # the spill tier's staging chunks (pinned ones count against the pool's limit)
 
 
 @dataclasses.dataclass(frozen=True)

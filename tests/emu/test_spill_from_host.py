@@ -117,3 +117,22 @@ def test_a_bounded_wait_then_keep_on_device(setup):
     assert all(torch.equal(g, r) for g, r in zip(got["grads"], reference))
     gc.collect()
     assert hsoffload.budget_stats().in_flight == 0
+
+
+def test_spill_staging_is_in_the_one_pinned_account(dev, tmp_path: Path):
+    """The spill tier's staging chunks are pinned here (an accelerator is present): they count in the pool's account
+    (pool_stats, the pool's limit) and in budget_stats().host_bytes, and leave it with their store."""
+    before = hsoffload.pool_stats()
+    d = tmp_path / "staging"
+    d.mkdir()
+    scope = OffloadScope(min_offload_size=0, spill_dir=str(d))
+    with scope:
+        staging = scope.spill_stats()["staging_bytes"]
+        pool = hsoffload.pool_stats()
+        assert staging > 0 and pool.staging_bytes - before.staging_bytes == staging, (staging, pool)
+        assert pool.pinned_bytes - before.pinned_bytes == staging, (staging, pool)
+        assert hsoffload.budget_stats().host_bytes == pool.held_bytes + pool.unpooled_bytes + pool.staging_bytes
+    del scope
+    gc.collect()
+    after = hsoffload.pool_stats()
+    assert after.staging_bytes == before.staging_bytes and after.pinned_bytes == before.pinned_bytes, after

@@ -25,6 +25,7 @@
 // is held while waiting for a read (a scope's mutex).
 #pragma once
 
+#include "hsoffload/host_pool.h"
 #include "hsoffload/stats.h"
 
 #include <ATen/core/Tensor.h>
@@ -94,7 +95,9 @@ class SpillStore {
   // The store for `dir`, shared by every scope that spills there (one set of
   // I/O threads per directory). Raises naming `dir` if it does not exist, is
   // not a directory or is not writable.
-  static std::shared_ptr<SpillStore> open(const std::string& dir, bool pinned_staging);
+  // Its staging chunks count in `pool`'s account (HostPool::add_staging) while the store lives.
+  static std::shared_ptr<SpillStore> open(const std::string& dir, bool pinned_staging,
+                                          std::shared_ptr<HostPool> pool);
   ~SpillStore();
   SpillStore(const SpillStore&) = delete;
   SpillStore& operator=(const SpillStore&) = delete;
@@ -124,7 +127,7 @@ class SpillStore {
   static constexpr int64_t kIoThreads = 2;
 
  private:
-  SpillStore(std::string dir, bool pinned_staging);
+  SpillStore(std::string dir, bool pinned_staging, std::shared_ptr<HostPool> pool);
   using Job = std::function<void(const at::Tensor& staging)>;
   void enqueue(Job job);
   // The job queue, shared with the I/O threads so that a store whose last reference goes away inside a job (on an
@@ -152,6 +155,8 @@ class SpillStore {
   SpillStats stats_;
   std::shared_ptr<std::atomic<int64_t>> open_files_ = std::make_shared<std::atomic<int64_t>>(0);
   std::vector<at::Tensor> staging_;  // one chunk per I/O thread, 4096-aligned
+  const std::shared_ptr<HostPool> pool_;  // whose account holds the staging bytes
+  bool pinned_staging_ = false;
   // A test knob: every write sleeps this long first, so tests can make the disk lag the packs
   // ($HSOFFLOAD_TEST_SPILL_WRITE_DELAY_MS, read when the store is created).
   int64_t write_delay_ms_ = 0;

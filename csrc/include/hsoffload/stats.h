@@ -47,7 +47,8 @@ namespace hsoffload {
   X(acquires, "blocks lent")                                                                                       \
   X(slabs, "slabs held now")                                                                                       \
   X(unpooled_bytes, "bytes of unpooled blocks lent now (outside held_bytes; granule-rounded)")                     \
-  X(pinned_bytes, "pinned bytes held for offload now: pinned slabs plus pinned unpooled blocks")
+  X(pinned_bytes, "pinned bytes held for offload now: pinned slabs, pinned unpooled blocks, pinned spill staging")    \
+  X(staging_bytes, "bytes of the spill tier's staging chunks (pinned ones count against the limit)")
 
 // The process-wide host budget (HostBudget::stats()).
 #define HSOFFLOAD_BUDGET_STATS(X)                                                                                   \
@@ -58,7 +59,7 @@ namespace hsoffload {
   X(is_auto, "1: the limit came from compute_auto_budget()")                                                       \
   X(mem_available, "MemAvailable (bytes) the last auto limit was computed from; 0 if none was")                    \
   X(local_world_size, "LOCAL_WORLD_SIZE the auto limit was divided by")                                          \
-  X(host_bytes, "host bytes the pool holds now (slabs + unpooled blocks): where in_flight lives; pool_stats too")
+  X(host_bytes, "host bytes held for offload now (slabs, unpooled blocks, spill staging): pool_stats tells the same")
 
 // One spill store (SpillStore::stats()), shared by the scopes that spill to its directory.
 #define HSOFFLOAD_SPILL_STATS(X)                                                                                    \
