@@ -42,12 +42,12 @@ compile-check: $(STAMP)
 test-install:
 	bash scripts/install_check.sh $(PYTHON)
 
-# Proof that the emulated-device tests (tests/emu) catch every missing stream/event rule: deletes each rule's
-# line in a scratch copy of csrc/, rebuilds, reruns tests/emu (about 20 s a mutation; not part of CI).
+# Proof that the emulated-device tests (tests/device/emu) catch every missing stream/event rule: deletes each rule's
+# line in a scratch copy of csrc/, rebuilds, reruns tests/device/emu (about 20 s a mutation; not part of CI).
 mutation-check: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) scripts/mutation_check.py
 
-# C++ engine unit tests (ctest); also run by tests/test_cpp_engine.py.
+# C++ engine unit tests (ctest); also run by tests/engine/test_cpp_engine.py.
 test-cpp: $(STAMP)
 	cmake -S . -B build/cpp -G Ninja -DHSOFFLOAD_BUILD_TESTS=ON -DHSOFFLOAD_PYTHON=$(abspath $(PY))
 	cmake --build build/cpp
@@ -63,10 +63,12 @@ $(VENV214)/.deps-stamp: requirements/dev.txt
 
 test-torch214: $(VENV214)/.deps-stamp
 	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps -C build-dir=build/torch214 .
-	PATH="$(abspath $(VENV214))/bin:$$PATH" $(VENV214)/bin/python -m pytest -q tests/test_core.py \
-		tests/test_torchscript_compile.py tests/test_loader.py tests/test_transformers_models.py tests/test_patch.py \
-		tests/test_fsdp.py tests/test_axolotl.py tests/test_emu_device.py tests/test_policies.py tests/test_policies_compile.py \
-		tests/test_dtensor.py tests/test_capture.py tests/test_reserve.py tests/test_spill.py
+	PATH="$(abspath $(VENV214))/bin:$$PATH" $(VENV214)/bin/python -m pytest -q tests/engine/test_core.py \
+		tests/engine/test_torchscript_compile.py tests/engine/test_loader.py tests/engine/test_policies.py \
+		tests/engine/test_policies_compile.py tests/engine/test_capture.py tests/engine/test_reserve.py \
+		tests/engine/test_spill.py tests/integrations/test_transformers_models.py tests/integrations/test_patch.py \
+		tests/integrations/test_fsdp.py tests/integrations/test_axolotl.py tests/integrations/test_dtensor.py \
+		tests/device/test_emu_device.py
 
 # The twin of the GPU machine: its Python 3.12, torch 2.11.0 (the PyPI CUDA 13.0 wheel, run on the CPU without a
 # driver), transformers 5.17.0, accelerate and peft, no trl and no axolotl (requirements/twin.txt), in a venv of its

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles the op library and the emulated test device (tests/emu) against the
+# Compiles the op library and the emulated test device (tests/device/emu) against the
 # headers and libraries of other torch releases (CPU or CUDA wheels; no CUDA
 # toolkit needed), without installing them.
 # Usage: scripts/compile_check.sh [PYTHON] [TORCH_VERSION...]   (default: 2.11.0 2.14.1)

@@ -103,11 +103,11 @@ fi
 export HSOFFLOAD_LIBRARY="$LIB"
 export PYTHONPATH="$PWD/python_shim${PYTHONPATH:+:$PYTHONPATH}"
 
-# 2. GPU tests (all skipped with a reason on a machine without CUDA). Only tests/test_gpu.py holds
+# 2. GPU tests (all skipped with a reason on a machine without CUDA). Only tests/device/test_gpu.py holds
 # GPU tests; naming it keeps an unrelated module's import error (a package this machine lacks)
 # from stopping the collection. Each test appends its measured figures to the summary as it ends.
 HSOFFLOAD_GPU_FIGURES="$SUMMARY" run_step pytest_gpu 150 "$OUT/pytest_gpu.log" \
-  "$PY" -m pytest -m gpu tests/test_gpu.py -q -rfEs -p no:cacheprovider
+  "$PY" -m pytest -m gpu tests/device/test_gpu.py -q -rfEs -p no:cacheprovider
 rc=$?
 ((rc == 5)) && say "pytest_gpu: no GPU tests collected (rc 5)"
 # Every failure and skip with its reason (the log's last lines, with the counts, are already there).

@@ -6,8 +6,8 @@ M18 (unpack waits for a spill read) and M19 (the pack's graph-capture guard, csr
 a host copy waits for that copy (csrc/transfer.cpp).
 
 For every mutation below, a scratch copy of the sources gets that one line removed (or replaced), the op library is
-rebuilt from the copy, and tests/emu runs against it (HSOFFLOAD_LIBRARY points the loader at the mutant). A mutation
-that no test catches is a missing test: the script exits 1 and names it. The unmutated build must pass first.
+rebuilt from the copy, and tests/device/emu runs against it (HSOFFLOAD_LIBRARY points the loader at the mutant). A
+mutation that no test catches is a missing test: the script exits 1 and names it. The unmutated build must pass first.
 
 Usage: python scripts/mutation_check.py [--only ID ...] [--markdown FILE]    (make mutation-check)
 Takes about 20 s per mutation on 2 cores (incremental rebuild of one file, then the emulated-device suite).
@@ -89,7 +89,7 @@ MUTATIONS = [
              "if (d2h_done) d2h_done->synchronize();  // I2 (M20): the host block holds the bytes before the file write reads it"),
 ]
 
-_SOURCES = ("CMakeLists.txt", "csrc", "ops", "tests/emu")
+_SOURCES = ("CMakeLists.txt", "csrc", "ops", "tests/device/emu")
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: int = 900) -> subprocess.CompletedProcess:
@@ -145,9 +145,9 @@ def _build(src_dir: Path, build_dir: Path, env: dict[str, str]) -> Path:
 
 
 def _suite(library: Path, env: dict[str, str]) -> tuple[int, list[str], str]:
-    """Runs tests/emu against `library`; returns (exit code, failed test ids, output tail)."""
+    """Runs tests/device/emu against `library`; returns (exit code, failed test ids, output tail)."""
     run_env = dict(env, HSOFFLOAD_LIBRARY=str(library), HSOFFLOAD_EMU_CHILD="1")
-    done = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "tests/emu"], run_env,
+    done = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "tests/device/emu"], run_env,
                 timeout=900)
     failed = re.findall(r"^FAILED (\S+)", done.stdout, flags=re.M)
     return done.returncode, failed, (done.stdout + done.stderr)[-3000:]
@@ -176,9 +176,9 @@ def main() -> int:
     t0 = time.monotonic()
     code, failed, tail = _suite(_build(src_dir, build_dir, env), env)
     if code != 0:
-        logger.error("the unmutated build fails tests/emu; fix that first:\n%s", tail)
+        logger.error("the unmutated build fails tests/device/emu; fix that first:\n%s", tail)
         return 2
-    logger.info("baseline: tests/emu passes against the unmutated build (%.0f s)", time.monotonic() - t0)
+    logger.info("baseline: tests/device/emu passes against the unmutated build (%.0f s)", time.monotonic() - t0)
     rows, survivors = [], []
     for m in MUTATIONS:
         if args.only and m.id not in args.only:

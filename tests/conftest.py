@@ -1,11 +1,20 @@
-"""Shared fixtures. The package must be importable (installed by `make test`, or PYTHONPATH=python_shim)."""
+"""Shared fixtures. The package must be importable (installed by `make test`, or PYTHONPATH=python_shim).
+
+Puts tests/ on sys.path so that every suite, whatever its folder, imports the shared helpers as `support.*`.
+"""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import hsoffload  # noqa: F401  (loads the op library once for every test)
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -2,7 +2,7 @@
 step (forward, backward, optimizer step), from a transformers config alone.
 
 The peak is the maximum over the step's phases, not a sum of maxima, so it can be compared with what an allocator
-reports (`torch.cuda.max_memory_allocated()`, or the emulated device's `peak_allocated_bytes` in tests/emu):
+reports (`torch.cuda.max_memory_allocated()`, or the emulated device's `peak_allocated_bytes` in tests/device/emu):
 
 - forward of decoder layer i: model states, what backward holds for layers < i, layer i's forward working set;
 - head forward: everything backward holds, the final norm, the logits and the loss (float32);
@@ -12,8 +12,8 @@ reports (`torch.cuda.max_memory_allocated()`, or the emulated device's `peak_all
 - optimizer step: weights, gradients, optimizer states and the update's temporaries.
 
 Every term is one function below (bytes per rank). The formulas follow how transformers (5.x) and torch compute a
-Llama-style decoder layer; `tests/emu/test_device_peak.py` checks the predicted peak against a real allocator within
-10 % on tiny Llama, Qwen3 and Qwen3-MoE models. What they assume:
+Llama-style decoder layer; `tests/device/emu/test_device_peak.py` checks the predicted peak against a real allocator
+within 10 % on tiny Llama, Qwen3 and Qwen3-MoE models. What they assume:
 
 - Steady state: the optimizer's states exist, gradients were freed by ``zero_grad(set_to_none=True)``.
 - Weights and gradients in the training dtype; AdamW keeps two moments per parameter in float32 (torch's AdamW

@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-import hf_tiny as H
+from support import hf_tiny as H
 import hsoffload
 import hsoffload.axolotl as ours
 from axolotl.monkeypatch import checkpoint_activation_offload as stock

@@ -5,7 +5,7 @@ allocated before the model was built) against the planner's prediction from the 
 
 The measured step is the second (steady state: AdamW's moments exist, gradients were freed by
 ``zero_grad(set_to_none=True)``); torch's AdamW keeps bf16 moments for bf16 parameters, which the planner is told
-(`optimizer="adamw_param_dtype"`). The emulated-device test (tests/emu/test_device_peak.py) does the same on tiny
+(`optimizer="adamw_param_dtype"`). The emulated-device test (tests/device/emu/test_device_peak.py) does the same on tiny
 models in CI; this is the check at real width, where flash attention and the loss dominate.
 
 Entry point for the GPU suite: ``run(device, deadline=...)`` -> a JSON-able dict (``rows``, ``worst_error``);

@@ -1,0 +1,156 @@
+"""The emulated asynchronous accelerator of the test suite, as torch device ``"hsemu"``.
+
+``load()`` builds ``libhsoffload_emu.so`` (tests/device/emu/*.cpp, CMake option HSOFFLOAD_BUILD_EMU) against the running
+torch if needed, loads it and registers it as PyTorch's PrivateUse1 backend named ``hsemu``. From then on the process
+has an accelerator whose streams are worker threads, whose copies can be delayed and whose freed memory is poisoned
+(NaN), so that a missing event wait or ``record_stream`` in hsoffload's engine shows up as wrong values. It becomes
+the process's accelerator (``pin_memory()`` pins for it), so load it only in processes meant for it: the suite runs
+tests/device/emu in a child pytest (tests/device/test_emu_device.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+logger = logging.getLogger("hsoffload.tests.emu")
+
+ROOT = Path(__file__).resolve().parents[3]
+DEVICE = "hsemu"
+_STAT_FIELDS = (
+    "async_copies", "sync_copies", "cross_stream_waits", "device_allocs", "device_reuses", "deferred_frees",
+    "pinned_deferred_frees", "host_syncs", "job_errors", "allocated_bytes", "peak_allocated_bytes",
+)
+_loaded = False  # process-wide: a PrivateUse1 backend can be registered once
+
+
+def _tool(name: str) -> str:
+    beside = Path(sys.executable).parent / name
+    found = shutil.which(name) or (str(beside) if beside.exists() else None)
+    if found is None:
+        raise RuntimeError(f"hsemu: {name} not found; install it (pip install {name}) to build the emulated device")
+    return found
+
+
+def build() -> Path:
+    """Builds libhsoffload_emu.so for the running torch (incremental) and returns its path."""
+    env_lib = os.environ.get("HSOFFLOAD_EMU_LIBRARY")
+    if env_lib:
+        return Path(env_lib)
+    build_dir = ROOT / "build" / f"emu-{torch.__version__}"
+    cmake = _tool("cmake")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    generator = ["-G", "Ninja"] if shutil.which("ninja", path=env["PATH"]) else []
+    if not (build_dir / "CMakeCache.txt").exists():
+        subprocess.run(
+            [cmake, "-S", str(ROOT), "-B", str(build_dir), *generator, "-DHSOFFLOAD_BUILD_EMU=ON",
+             f"-DHSOFFLOAD_PYTHON={sys.executable}"],
+            check=True, capture_output=True, text=True, env=env,
+        )
+    built = subprocess.run([cmake, "--build", str(build_dir), "--target", "hsoffload_emu"], capture_output=True,
+                           text=True, env=env)
+    if built.returncode != 0:
+        raise RuntimeError(f"hsemu: building the emulated device failed:\n{built.stdout[-4000:]}{built.stderr[-4000:]}")
+    return build_dir / "libhsoffload_emu.so"
+
+
+def _device_module() -> types.ModuleType:
+    """The `torch.hsemu` module PyTorch asks a PrivateUse1 backend for (autocast, seeding, device queries)."""
+    mod = types.ModuleType("torch.hsemu")
+    mod.is_available = lambda: True  # type: ignore[attr-defined]
+    mod.is_initialized = lambda: True  # type: ignore[attr-defined]
+    mod.device_count = lambda: 1  # type: ignore[attr-defined]
+    mod.current_device = lambda: 0  # type: ignore[attr-defined]
+    mod._is_in_bad_fork = lambda: False  # type: ignore[attr-defined]
+    mod.manual_seed_all = lambda seed: None  # type: ignore[attr-defined]  (compute uses the CPU generator)
+    mod.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]  # type: ignore[attr-defined]
+    mod.synchronize = lambda device=None: synchronize()  # type: ignore[attr-defined]
+    mod.is_current_stream_capturing = lambda: bool(torch.ops.hsemu.is_current_stream_capturing())  # type: ignore[attr-defined]
+    return mod
+
+
+def load() -> None:
+    """Builds (if needed) and registers the emulated device as ``hsemu`` in this process (idempotent)."""
+    global _loaded  # the process-wide fact "the backend is registered"; it cannot be undone
+    if _loaded:
+        return
+    library = build()
+    torch.ops.load_library(str(library))
+    torch.utils.rename_privateuse1_backend(DEVICE)
+    torch._register_device_module(DEVICE, _device_module())
+    _loaded = True
+    logger.debug("hsemu: loaded %s", library)
+
+
+def set_copy_delay(h2d_us: int, d2h_us: int, d2d_us: int) -> None:
+    torch.ops.hsemu.set_copy_delay(h2d_us, d2h_us, d2d_us)
+
+
+@contextlib.contextmanager
+def copy_delay(h2d_us: int = 0, d2h_us: int = 0, d2d_us: int = 0) -> Iterator[None]:
+    """Delays every queued copy of each kind by that many microseconds inside the block."""
+    before = list(torch.ops.hsemu.copy_delay())
+    set_copy_delay(h2d_us, d2h_us, d2d_us)
+    try:
+        yield
+    finally:
+        set_copy_delay(*before)
+
+
+@contextlib.contextmanager
+def stream(stream_id: int) -> Iterator[None]:
+    """Makes `stream_id` the current stream of this thread inside the block."""
+    before = int(torch.ops.hsemu.current_stream())
+    torch.ops.hsemu.set_stream(stream_id)
+    try:
+        yield
+    finally:
+        torch.ops.hsemu.set_stream(before)
+
+
+def sleep(us: int) -> None:
+    """Stalls the current stream: work queued after this runs `us` microseconds later."""
+    torch.ops.hsemu.sleep(us)
+
+
+def synchronize() -> None:
+    torch.ops.hsemu.synchronize()
+
+
+def new_stream() -> int:
+    return int(torch.ops.hsemu.new_stream())
+
+
+def stats() -> dict[str, int]:
+    """Cumulative counters, and two gauges of the device allocator: ``allocated_bytes`` (live blocks, rounded to
+    512 bytes as CUDA's allocator counts them) and ``peak_allocated_bytes`` (their high-water mark since
+    `reset_peak`)."""
+    return dict(zip(_STAT_FIELDS, (int(v) for v in torch.ops.hsemu.stats())))
+
+
+def reset_peak() -> None:
+    """Starts a new high-water mark at the bytes allocated now (like torch.cuda.reset_peak_memory_stats)."""
+    torch.ops.hsemu.reset_peak()
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[None]:
+    """Emulated graph capture of the current stream inside the block; raises at its end if the block did what CUDA
+    forbids during a capture (pinned allocation, captured-event queries, syncs, waits on outside events, a fork never
+    joined back): the capture failed."""
+    torch.ops.hsemu.begin_capture()
+    try:
+        yield
+    finally:
+        violations = list(torch.ops.hsemu.end_capture())
+    if violations:
+        raise RuntimeError("hsemu: graph capture failed: " + "; ".join(violations))

@@ -1,0 +1,85 @@
+"""Graph capture without a GPU: the decision path. While the current stream captures, a marked tensor passes
+through (counted in captured_passthrough, logged once), whether the engine tells capture itself (torch >= 2.13's
+device guard; proved on the emulated device, tests/device/emu/test_capture_emu.py) or the shim tells it through
+`offload_pack(..., capturing=True)` (torch 2.11-2.12, where the engine cannot ask)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import hsoffload
+from hsoffload import OffloadScope, capture
+from hsoffload._logging import forget_logged
+from support.device_model import LinearStack
+
+mark = torch.ops.hsoffload.mark_hidden_state
+
+
+def Stack(dim: int = 16, layers: int = 3) -> LinearStack:  # noqa: N802  (the model's name in these tests)
+    return LinearStack(dim, layers)
+
+
+@pytest.fixture
+def probe_says_capturing():
+    before = capture._probe
+    capture.set_capture_probe_for_tests(lambda: True)
+    try:
+        yield
+    finally:
+        capture._probe = before
+
+
+def test_pack_with_capturing_flag_passes_the_marked_tensor_through() -> None:
+    x = torch.randn(64, 64)
+    acquires = hsoffload.pool_stats().acquires
+    with OffloadScope(offload_cpu_tensors=True, min_offload_size=0) as scope:
+        mark(x)
+        handle = torch.ops.hsoffload.offload_pack(x, scope.id, True)
+        y = torch.ops.hsoffload.offload_unpack(handle)
+    assert y is x or y.data_ptr() == x.data_ptr()  # the very tensor, never copied
+    stats = scope.stats
+    assert stats.captured_passthrough == 1 and stats.offloaded_tensors == 0, stats
+    assert hsoffload.pool_stats().acquires == acquires
+
+
+def test_without_the_flag_the_same_pack_offloads() -> None:
+    x = torch.randn(64, 64)
+    with OffloadScope(offload_cpu_tensors=True, min_offload_size=0) as scope:
+        mark(x)
+        y = torch.ops.hsoffload.offload_unpack(torch.ops.hsoffload.offload_pack(x, scope.id))
+    assert y.data_ptr() != x.data_ptr() and torch.equal(x, y)
+    assert scope.stats.captured_passthrough == 0 and scope.stats.offloaded_tensors == 1
+
+
+def test_shim_probe_route_passes_a_checkpointed_stack_through(probe_says_capturing, caplog) -> None:
+    torch.manual_seed(0)
+    ref = Stack()
+    model = copy.deepcopy(ref)
+    x = torch.randn(8, 16)
+    ref(x).backward()
+    acquires = hsoffload.pool_stats().acquires
+    forget_logged()
+    with caplog.at_level(logging.INFO, logger="hsoffload"):
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with OffloadScope(offload_cpu_tensors=True, min_offload_size=0) as scope:
+                model(x).backward()
+            assert scope.stats.captured_passthrough == 3 and scope.stats.offloaded_tensors == 0
+    assert hsoffload.pool_stats().acquires == acquires
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    lines = [r for r in caplog.records if "captured" in r.getMessage()]
+    assert len(lines) == 1  # logged once, not per scope
+
+
+def test_engine_says_whether_it_detects_capture_itself() -> None:
+    detects = bool(torch.classes.hsoffload.OffloadScope.engine_detects_capture())
+    # torch >= 2.13 declares DeviceGuardImplInterface::isStreamCapturing; the engine detects it by signature.
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    assert detects == ((major, minor) >= (2, 13))
+    # Where the engine detects capture (or there is no accelerator), the shim never probes: no per-pack Python cost.
+    if detects or not torch.accelerator.is_available():
+        assert capture._choose_probe() is None

@@ -1,0 +1,119 @@
+"""DTensor hidden states (tensor/sequence parallel): the local shard is offloaded and a DTensor comes back.
+
+A 1-rank gloo mesh on the CPU: the DTensor machinery (mesh, placements, redistribution in backward) is real; one
+rank keeps the test in-process. The process group is destroyed afterwards so later tests see none.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hsoffload import OffloadScope
+
+pytest.importorskip("torch.distributed.tensor")
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mesh():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=str)
+def test_dtensor_round_trip_and_gradients(mesh, placement):
+    torch.manual_seed(0)
+    w_full = torch.randn(16, 16)
+
+    def run(offload: bool):
+        w = distribute_tensor(w_full.clone(), mesh, [Replicate()]).requires_grad_()
+        x = distribute_tensor(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), mesh, [placement])
+        h = x * 1.5  # a non-leaf DTensor, like a layer's input
+        seen = []
+        if offload:
+            scope = OffloadScope(offload_cpu_tensors=True, min_offload_size=0)
+            with scope:
+                scope.mark(h)
+                loss = (torch.tanh(h @ w) * h).sum()
+                loss.backward()
+            seen.append(scope.stats)
+        else:
+            loss = (torch.tanh(h @ w) * h).sum()
+            loss.backward()
+        return loss.full_tensor(), w.grad.full_tensor(), seen
+
+    ref_loss, ref_grad, _ = run(False)
+    loss, grad, (stats,) = run(True)
+    assert torch.equal(ref_loss, loss) and torch.equal(ref_grad, grad)
+    assert stats.offloaded_tensors == 1 and stats.restored_tensors >= 1 and stats.skipped_marked_tensors == 0, stats
+
+
+def test_restored_dtensor_keeps_mesh_placements_and_metadata(mesh):
+    x = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
+    scope = OffloadScope(offload_cpu_tensors=True, min_offload_size=0)
+    with scope:
+        scope.mark(x)
+        packed = scope.pack_hook(x)
+    out = scope.unpack_hook(packed)
+    assert isinstance(out, DTensor)
+    assert out.device_mesh == x.device_mesh and out.placements == x.placements
+    assert out.shape == x.shape and out.stride() == x.stride() and out.dtype == x.dtype
+    assert torch.equal(out.to_local(), x.to_local())
+    assert scope.stats.offloaded_tensors == 1
+
+
+def test_two_ranks_mark_a_dtensor_with_the_op_the_function_or_the_scope(tmp_path):
+    """A real 2-process gloo mesh (tests/support/dtensor_worker.py under torchrun): whichever way the DTensor hidden
+    state is marked, its later save through a non-reentrant checkpoint offloads the local shard on every rank,
+    bitwise."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import hsoffload
+
+    worker = Path(__file__).resolve().parents[1] / "support" / "dtensor_worker.py"
+    env = dict(os.environ)
+    env.pop("LOCAL_RANK", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(hsoffload.__file__).resolve().parents[1])] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker)]
+    proc = subprocess.run(cmd + ["--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert {r["marker"] for r in results} == {"op", "function", "scope.mark"} and len(results) == 9
+        for r in results:
+            assert r["bitwise"], (rank, r)
+            assert r["offloaded_tensors"] == 1 and r["restored_tensors"] == 1, (rank, r)
+            assert r["skipped_marked_tensors"] == 0, (rank, r)
+
+
+def test_a_dtensor_whose_local_shard_is_marked_offloads_it(mesh):
+    """The pack hook accepts a mark on the wrapper or on its local shard (whichever the op's kernel saw)."""
+    x = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
+    scope = OffloadScope(offload_cpu_tensors=True, min_offload_size=0)
+    with scope:
+        scope._scope.mark(x._local_tensor)
+        packed = scope.pack_hook(x)
+    out = scope.unpack_hook(packed)
+    assert isinstance(out, DTensor) and torch.equal(out.to_local(), x.to_local())
+    assert scope.stats.offloaded_tensors == 1 and scope.stats.skipped_marked_tensors == 0

@@ -1,0 +1,248 @@
+"""The GradientCheckpointingLayer patch: idempotence, exact revert, chaining, and logged-once reports."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+from typing import Any, Iterator
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from support import hf_tiny as H
+import hsoffload
+from hsoffload._logging import forget_logged
+
+hpatch = importlib.import_module("hsoffload.patch")  # the package attribute `patch` is the function
+
+SCOPE = {"offload_cpu_tensors": True, "min_offload_size": 0}
+
+
+@pytest.fixture(autouse=True)
+def pristine() -> Iterator[Any]:
+    """Each test starts unpatched with fresh log-once state, and leaves the class as it found it."""
+    hsoffload.unpatch()
+    original = GradientCheckpointingLayer.__dict__["__call__"]
+    assert not getattr(original, "_hsoffload_patched", False)
+    forget_logged()
+    yield original
+    GradientCheckpointingLayer.__call__ = original
+    hpatch.LAYER_CALL.forget()
+
+
+class TinyLayer(GradientCheckpointingLayer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.linear(hidden_states).sin() * scale
+
+
+def tiny_layer(reentrant: bool = False) -> TinyLayer:
+    torch.manual_seed(0)
+    layer = TinyLayer()
+    layer.gradient_checkpointing = True
+    layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=reentrant)
+    layer.train()
+    return layer
+
+
+def run_layer(layer: torch.nn.Module, *, keyword: bool = False, requires_grad: bool = True) -> hsoffload.OffloadStats:
+    # A non-leaf, like a real hidden state (the engine keeps marked leaves that require grad in place).
+    x = torch.randn(4, 8, requires_grad=requires_grad) * 1.0
+    with hsoffload.OffloadScope(**SCOPE) as scope:
+        out = layer(hidden_states=x) if keyword else layer(x)
+        out.sum().backward()
+    return scope.stats
+
+
+def foreign_patch(calls: list[str], tag: str) -> Any:
+    """What Axolotl/DeepSpeed do: capture the current attribute and wrap it."""
+    previous = GradientCheckpointingLayer.__call__
+
+    def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        calls.append(tag)
+        return previous(self, *args, **kwargs)
+
+    GradientCheckpointingLayer.__call__ = __call__
+    return __call__
+
+
+def test_patch_is_idempotent(pristine: Any) -> None:
+    hsoffload.patch()
+    installed = GradientCheckpointingLayer.__dict__["__call__"]
+    hsoffload.patch()
+    hsoffload.patch()
+    assert GradientCheckpointingLayer.__dict__["__call__"] is installed
+    assert hsoffload.is_patched()
+    assert run_layer(tiny_layer()).offloaded_tensors == 1  # marked once, not once per patch() call
+
+
+def test_unpatch_restores_exactly(pristine: Any) -> None:
+    hsoffload.patch()
+    assert GradientCheckpointingLayer.__dict__["__call__"] is not pristine
+    assert hsoffload.unpatch() is True
+    assert GradientCheckpointingLayer.__dict__["__call__"] is pristine
+    assert not hsoffload.is_patched()
+    assert hsoffload.unpatch() is False  # nothing left to undo
+    assert run_layer(tiny_layer()).marked_tensors == 0
+
+
+def test_wrapper_keeps_identity_of_the_wrapped_call(pristine: Any) -> None:
+    hsoffload.patch()
+    installed = GradientCheckpointingLayer.__dict__["__call__"]
+    assert installed.__wrapped__ is pristine
+    assert installed.__name__ == "__call__"
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("keyword", [False, True])
+def test_tiny_layer_marks_once(reentrant: bool, keyword: bool) -> None:
+    hsoffload.patch()
+    stats = run_layer(tiny_layer(reentrant), keyword=keyword)
+    assert (stats.marked_tensors, stats.offloaded_tensors, stats.restored_tensors) == (1, 1, 1)
+
+
+def test_cpu_tensor_is_skipped_without_offload_cpu_tensors() -> None:
+    hsoffload.patch()
+    x = torch.randn(4, 8, requires_grad=True) * 1.0
+    with hsoffload.OffloadScope(min_offload_size=0) as scope:
+        tiny_layer()(x).sum().backward()
+    assert (scope.stats.marked_tensors, scope.stats.skipped_marked_tensors, scope.stats.offloaded_tensors) == (1, 1, 0)
+
+
+def test_chains_through_a_patch_installed_before(pristine: Any) -> None:
+    calls: list[str] = []
+    foreign = foreign_patch(calls, "foreign")
+    hsoffload.patch()
+    assert GradientCheckpointingLayer.__dict__["__call__"] is not foreign
+    assert run_layer(tiny_layer()).offloaded_tensors == 1
+    assert calls == ["foreign"]
+    assert hsoffload.unpatch() is True
+    assert GradientCheckpointingLayer.__dict__["__call__"] is foreign  # theirs, exactly
+
+
+def test_chains_under_a_patch_installed_after(pristine: Any, caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[str] = []
+    hsoffload.patch()
+    ours = GradientCheckpointingLayer.__dict__["__call__"]
+    foreign = foreign_patch(calls, "foreign")
+    assert hsoffload.is_patched()
+    assert run_layer(tiny_layer()).offloaded_tensors == 1
+    assert calls == ["foreign"]
+
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        assert hsoffload.unpatch() is False  # cannot take ours out of their chain ...
+    assert "patched again after hsoffload" in caplog.text
+    assert GradientCheckpointingLayer.__dict__["__call__"] is foreign  # ... and never removes theirs
+    assert not hsoffload.is_patched()
+    assert run_layer(tiny_layer()).marked_tensors == 0  # ours is a pass-through now
+    assert calls == ["foreign", "foreign"]
+
+    hsoffload.patch()  # re-activates ours instead of stacking a second wrapper
+    assert GradientCheckpointingLayer.__dict__["__call__"] is foreign
+    assert run_layer(tiny_layer()).offloaded_tensors == 1
+
+    GradientCheckpointingLayer.__call__ = ours  # the foreign library reverts itself
+    assert hsoffload.unpatch() is True
+    assert GradientCheckpointingLayer.__dict__["__call__"] is pristine
+
+
+def test_forgets_a_patch_someone_else_removed(pristine: Any) -> None:
+    hsoffload.patch()
+    GradientCheckpointingLayer.__call__ = pristine  # e.g. a library restoring what it saw before us
+    assert not hsoffload.is_patched()
+    hsoffload.patch()
+    assert GradientCheckpointingLayer.__dict__["__call__"] is not pristine
+    assert run_layer(tiny_layer()).offloaded_tensors == 1
+
+
+def _warnings(caplog: pytest.LogCaptureFixture, text: str) -> int:
+    return sum(1 for r in caplog.records if r.levelno == logging.WARNING and text in r.getMessage())
+
+
+def test_logs_once_when_model_has_no_layer(caplog: pytest.LogCaptureFixture) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        assert hsoffload.check_model(model) == 0
+        assert hsoffload.check_model(model) == 0
+    assert _warnings(caplog, "has no transformers GradientCheckpointingLayer") == 1
+
+
+def test_logs_once_when_checkpointing_is_off(caplog: pytest.LogCaptureFixture) -> None:
+    model = H.tiny_model("llama")
+    batch = H.batches(1)[0]
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        assert hsoffload.check_model(model) == 0
+        for _ in range(2):
+            with hsoffload.offload_hidden_states(model, **SCOPE) as scope:
+                model(**batch).loss.backward()
+            assert scope.stats.marked_tensors == 0
+    assert _warnings(caplog, "gradient checkpointing is off on every layer") == 1
+    assert _warnings(caplog, "runs without gradient checkpointing") == 1
+
+
+class BypassingLayer(TinyLayer):
+    """Overrides __call__ without calling GradientCheckpointingLayer's: the patch never sees it."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+
+
+class DelegatingLayer(TinyLayer):
+    """Overrides __call__ but calls super().__call__: still offloaded."""
+
+    def __call__(self, hidden_states: torch.Tensor, **kwargs: Any) -> Any:
+        return super().__call__(hidden_states * 1.0, **kwargs)
+
+
+def _subclass_layer(cls: type) -> TinyLayer:
+    layer = cls()
+    layer.gradient_checkpointing = True
+    layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+    return layer.train()
+
+
+def test_subclass_overriding_call_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    hsoffload.patch()
+    model = torch.nn.Sequential(_subclass_layer(BypassingLayer), _subclass_layer(DelegatingLayer))
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        assert hsoffload.check_model(model) == 0
+        hsoffload.check_model(model)
+    assert _warnings(caplog, "BypassingLayer, DelegatingLayer override __call__") == 1
+    assert run_layer(model[0]).marked_tensors == 0
+    assert run_layer(model[1]).offloaded_tensors == 1
+
+
+def test_reentrant_without_grad_input_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    hsoffload.patch()
+    layer = tiny_layer(reentrant=True)
+    x = torch.randn(4, 8)  # no input requires grad: the reentrant checkpoint saves nothing
+    with caplog.at_level(logging.WARNING, logger="hsoffload"), pytest.warns(UserWarning):
+        for _ in range(2):
+            with hsoffload.OffloadScope(**SCOPE) as scope:
+                layer(x)
+            assert scope.stats.marked_tensors == 0
+    assert _warnings(caplog, "uses reentrant checkpointing but none of its tensor inputs requires grad") == 1
+
+
+def test_transformers_offload_flag_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    model = H.tiny_model("llama")
+    if "offload" not in inspect.signature(model.gradient_checkpointing_enable).parameters:
+        pytest.skip("this transformers has no gradient_checkpointing_enable(offload=...)")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        assert hsoffload.check_model(model) == 0
+        assert hsoffload.check_model(model) == 0
+    assert _warnings(caplog, "offload=True") == 1
+
+
+def test_check_model_counts_checkpointed_layers() -> None:
+    model = H.tiny_model("llama")
+    H.enable_checkpointing(model, False)
+    assert hsoffload.check_model(model) == H.LAYERS

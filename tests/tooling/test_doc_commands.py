@@ -1,0 +1,49 @@
+"""Every shell block marked `<!-- runnable -->` in README.md and docs/*.md runs exactly as written.
+
+Each line of such a block runs with bash in the repository root, with the test interpreter's environment first on
+PATH (`python`, `hsoffload`), and must exit 0. Blocks without the marker (installs, multi-minute commands, `make test`
+itself) are not run here; CI runs `make test` and `make demo` is the demo's own test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_MARKER = "<!-- runnable -->"
+_BLOCK = re.compile(re.escape(_MARKER) + r"\s*\n```(?:bash|sh|shell)\n(.*?)```", re.S)
+
+
+def _commands() -> list[tuple[str, str]]:
+    found = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in _BLOCK.findall(doc.read_text()):
+            for line in block.splitlines():
+                line = line.split("  #")[0].strip()
+                if line and not line.startswith("#"):
+                    found.append((doc.name, line))
+    return found
+
+
+COMMANDS = _commands()
+
+
+def test_docs_have_runnable_commands() -> None:
+    assert COMMANDS, f"no {_MARKER} shell block found in README.md or docs/"
+
+
+@pytest.mark.parametrize("doc, command", COMMANDS, ids=[f"{d}:{c[:40]}" for d, c in COMMANDS])
+def test_documented_command_runs_as_written(doc: str, command: str, tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("HSOFFLOAD_LIBRARY", None)  # the command must find the library the documented way
+    env.pop("PYTHONPATH", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"{doc}: `{command}` exited {out.returncode}:\n{(out.stdout + out.stderr)[-3000:]}"
