@@ -178,7 +178,9 @@ std::vector<int64_t> HostPool::grow_sizes_locked(int64_t deficit, bool pinned) {
   }
   int64_t new_bytes = 0;
   for (int64_t s : sizes) new_bytes += s;
-  const int64_t room = limit_ - pinned_staging_bytes_;  // pinned spill staging shares the limit
+  // Pinned spill staging shares an explicit limit; a limit that follows the budget leaves the budget's room to
+  // slabs and holds the staging on top (so a small budget is not served by unpooled blocks).
+  const int64_t room = follows_budget_ ? limit_ : limit_ - pinned_staging_bytes_;
   if (stats_.held_bytes + new_bytes > room) {
     trim_locked(std::max<int64_t>(0, room - new_bytes), /*only_kind=*/!pinned);  // idle slabs of the other kind
   }

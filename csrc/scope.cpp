@@ -73,8 +73,9 @@ void OffloadConfig::validate() const {
   TORCH_CHECK_VALUE(prefetch_depth >= 0, "hsoffload: prefetch_depth must be >= 0, got ", prefetch_depth);
   TORCH_CHECK_VALUE(spill_prefetch_depth >= 0, "hsoffload: spill_prefetch_depth must be >= 0, got ",
                     spill_prefetch_depth);
-  TORCH_CHECK_VALUE(spill_wait_ms >= 0, "hsoffload: spill_wait_ms must be >= 0 (0: keep a tensor that finds no host "
-                    "room on the device at once), got ", spill_wait_ms);
+  TORCH_CHECK_VALUE(spill_wait_ms >= 0 && spill_wait_ms <= kMaxSpillWaitMs, "hsoffload: spill_wait_ms must be "
+                    "between 0 (keep a tensor that finds no host room on the device at once) and ", kMaxSpillWaitMs,
+                    " (one hour), got ", spill_wait_ms);
 }
 
 OffloadStats process_stats() {
@@ -176,6 +177,7 @@ void OffloadScope::end_group() {
 void OffloadScope::prune_locked() {
   marks_.prune();
   records_.prune();
+  spill_cursor_ = 0;  // indices moved
 }
 
 void OffloadScope::maybe_prune_locked() {
@@ -248,39 +250,45 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x, bool captur
   RECORD_USER_SCOPE("hsoffload::pack");
   auto handle = SavedHandle::passthrough(x);
   handle->scope_ = shared_from_this();
+  MayDefer may;
   HostNeed need;
   {
     std::lock_guard<std::mutex> lock(*mutex_);
-    need = pack_locked(x, capturing, *handle, /*first=*/true);
+    need = pack_locked(x, capturing, *handle, /*first=*/true, may);
   }
-  if (need.bytes > 0) {
-    // The pool has no room for this copy: grow it here, holding no lock (a pinned allocation costs ~0.1-0.3 s per
-    // GiB; other threads' packs and unpacks go on meanwhile), then decide again. hsoffload.reserve_host does this
-    // before the first step, so packs normally never get here.
-    pool_->reserve(need.bytes, need.pinned);
-  } else if (need.budget_bytes > 0 && config_.spill_wait_ms > 0) {
-    // Packs outran the disk: the budget is full of host copies being written out. Wait, holding no lock, until the
-    // writes free room (bounded; a failed write or nothing left to write ends it early), then decide again: the
-    // copy goes to host, or the tensor stays on the device.
-    RECORD_USER_SCOPE("hsoffload::wait_host_budget");
-    const auto t0 = std::chrono::steady_clock::now();
-    budget_->wait_for_room(need.budget_bytes, t0 + std::chrono::milliseconds(config_.spill_wait_ms), [this] {
-      return writing_bytes_->load() == 0 || spill_errors_->pending();
-    });
-    const int64_t waited =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  while (need.any()) {  // at most twice: each kind of wait is done once
+    if (need.bytes > 0) {
+      // The pool has no room for this copy: grow it here, holding no lock (a pinned allocation costs ~0.1-0.3 s per
+      // GiB; other threads' packs and unpacks go on meanwhile), then decide again. hsoffload.reserve_host does this
+      // before the first step, so packs normally never get here.
+      pool_->reserve(need.bytes, need.pinned);
+      may.pool = false;
+    } else {
+      // Packs outran the disk: the budget is full of host copies being written out. Wait, holding no lock, until
+      // the writes free room (bounded; a failed write or nothing left to write ends it early), then decide again:
+      // the copy goes to host, or the tensor stays on the device.
+      if (config_.spill_wait_ms > 0) {
+        RECORD_USER_SCOPE("hsoffload::wait_host_budget");
+        const auto t0 = std::chrono::steady_clock::now();
+        budget_->wait_for_room(need.budget_bytes, t0 + std::chrono::milliseconds(config_.spill_wait_ms), [this] {
+          return writing_bytes_->load() == 0 || spill_errors_->pending();
+        });
+        const int64_t waited =
+            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+        std::lock_guard<std::mutex> lock(*mutex_);
+        count(stats_, &OffloadStats::wait_ns, waited);
+        count(stats_, &OffloadStats::pack_wait_ns, waited);
+      }
+      may.budget = false;
+    }
     std::lock_guard<std::mutex> lock(*mutex_);
-    count(stats_, &OffloadStats::wait_ns, waited);
-    count(stats_, &OffloadStats::pack_wait_ns, waited);
-  }
-  if (need.any()) {
-    std::lock_guard<std::mutex> lock(*mutex_);
-    pack_locked(x, capturing, *handle, /*first=*/false);
+    need = pack_locked(x, capturing, *handle, /*first=*/false, may);
   }
   return handle;
 }
 
-OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool capturing, SavedHandle& out, bool first) {
+OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool capturing, SavedHandle& out, bool first,
+                                                  MayDefer may) {
   SavedHandle* const handle = &out;
   if (spill_) {
     // A spill write of this scope failed on an I/O thread since the last pack: fail the step here, in forward.
@@ -322,7 +330,7 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
       }
       HostNeed need;
       if (!record) {
-        record = offload_locked(x, span.first, span.second, first ? &need : nullptr);
+        record = offload_locked(x, span.first, span.second, may, need);
       }
       if (need.any()) {
         return need;  // pack() grows the pool or waits for room holding no lock, then comes back
@@ -349,15 +357,16 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
 }
 
 std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x, int64_t begin, int64_t end,
-                                                            HostNeed* defer) {
+                                                            MayDefer may, HostNeed& need) {
   const int64_t bytes = end - begin;
   const int64_t granted = (bytes + HostPool::kGranule - 1) / HostPool::kGranule * HostPool::kGranule;
-  if (defer != nullptr && budget_->fits(granted)) {
-    const bool pinned = !x.device().is_cpu() && config_.pin_memory;
-    if (pool_->free_bytes(pinned) < granted) {
-      *defer = HostNeed{granted, pinned};  // never allocate (pin) host memory under the scope's lock
-      return nullptr;
-    }
+  const bool pinned = !x.device().is_cpu() && config_.pin_memory;
+  // Never allocate (pin) host memory under the scope's lock: pack() grows the pool holding none, then comes back.
+  const auto pool_lacks_room = [&] { return may.pool && pool_->free_bytes(pinned) < granted; };
+  if (budget_->fits(granted) && pool_lacks_room()) {
+    need.bytes = granted;
+    need.pinned = pinned;
+    return nullptr;
   }
   auto record = std::make_shared<OffloadRecord>();
   bool in_budget = budget_->try_reserve(granted, record->copy->lease);
@@ -371,9 +380,14 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
     // 0 here means every write of this scope has given its room back already.
     const int64_t writing = writing_bytes_->load();
     in_budget = budget_->try_reserve(granted, record->copy->lease);
+    if (in_budget && pool_lacks_room()) {
+      need.bytes = granted;  // the reservation goes back with `record`; pack() grows the pool and comes back
+      need.pinned = pinned;
+      return nullptr;
+    }
     if (!in_budget && writing > 0) {
-      if (defer != nullptr) {
-        defer->budget_bytes = granted;  // pack() waits for that room holding no lock, then comes back
+      if (may.budget) {
+        need.budget_bytes = granted;  // pack() waits for that room holding no lock, then comes back
       }
       return nullptr;  // after the wait: stays on the device
     }
@@ -434,11 +448,10 @@ void OffloadScope::spill_oldest_locked(int64_t need) {
   const int64_t limit = budget_->stats().limit;
   const int64_t headroom = std::min(2 * largest_copy_, limit / 2);
   int64_t deficit = need + headroom - budget_->room() - writing_bytes_->load();
-  for (const auto& weak : records_.in_pack_order()) {  // oldest first
-    if (deficit <= 0) {
-      return;
-    }
-    auto record = weak.lock();
+  const auto& records = records_.in_pack_order();  // oldest first
+  // Records before the cursor are dead or have left kHost, which no copy ever re-enters: each is passed once.
+  for (; spill_cursor_ < records.size() && deficit > 0; ++spill_cursor_) {
+    auto record = records[spill_cursor_].lock();
     if (!record) {
       continue;
     }

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -268,7 +269,15 @@ void SpillStore::worker(const std::shared_ptr<Queue>& queue, const at::Tensor& s
       job = std::move(queue->jobs.front());
       queue->jobs.pop_front();
     }
-    job(staging);
+    try {
+      job(staging);
+    } catch (const std::exception& e) {
+      // Jobs report their own errors (to the scope, or to the read); an exception here is a bug, and one that
+      // left a std::thread would end the process.
+      std::fprintf(stderr, "hsoffload: a spill I/O job failed unexpectedly: %s\n", e.what());
+    } catch (...) {
+      std::fprintf(stderr, "hsoffload: a spill I/O job failed unexpectedly\n");
+    }
   }
 }
 
@@ -333,22 +342,32 @@ void SpillStore::run_write_host(int64_t bytes, const TakeHost& take, const HostW
   if (write_delay_ms_ > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(write_delay_ms_));  // test knob: a lagging disk
   }
-  std::optional<HostSource> source = take();
-  if (!source) {
+  std::optional<HostSource> source;
+  std::string error;
+  try {
+    source = take();
+  } catch (const std::exception& e) {
+    error = std::string("hsoffload: preparing a spill write failed: ") + e.what();
+  }
+  if (!source && error.empty()) {
     return;  // the graph that saved it is gone: nothing to write
   }
   const int64_t t0 = now_ns();
-  std::string error;
-  std::shared_ptr<SpillFile> file = create_file(bytes, nullptr, error);
+  std::shared_ptr<SpillFile> file = error.empty() ? create_file(bytes, nullptr, error) : nullptr;
   if (file) {
-    wait_host_copy(source->d2h_done.get());
+    try {
+      wait_host_copy(source->d2h_done.get());  // throws on a failed device (a sticky CUDA error, say)
+    } catch (const std::exception& e) {
+      error = std::string("hsoffload: waiting for a saved tensor's copy to host before spilling it failed: ") +
+              e.what();
+    }
     auto* buf = static_cast<char*>(staging.data_ptr());
     size_t extent = 0;
     int64_t in_extent = 0;  // bytes of source->extents[extent] already written
     for (int64_t offset = 0; offset < bytes && error.empty(); offset += kChunkBytes) {
       const int64_t len = std::min(kChunkBytes, bytes - offset);
       for (int64_t filled = 0; filled < len;) {  // gather the chunk from the extents (host memory: a memcpy)
-        const at::Tensor& e = source->extents.at(extent);
+        const at::Tensor& e = source->extents[extent];
         const int64_t n = std::min(len - filled, e.numel() - in_extent);
         std::memcpy(buf + filled, static_cast<const char*>(e.data_ptr()) + in_extent, static_cast<size_t>(n));
         filled += n;
@@ -378,7 +397,7 @@ void SpillStore::run_write_host(int64_t bytes, const TakeHost& take, const HostW
     stats_.write_ns += now_ns() - t0;
     if (error.empty()) stats_.bytes_written += bytes;
   }
-  done(std::move(file), error);
+  done(std::move(file), error);  // the caller's: must not throw (the scope's only moves and releases)
   source.reset();  // after done: the host block stays lent until its location has moved to the file
 }
 

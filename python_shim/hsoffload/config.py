@@ -45,6 +45,8 @@ def _env_spill_dir() -> Optional[str]:
     return os.environ.get("HSOFFLOAD_SPILL_DIR") or None
 
 
+_MAX_SPILL_WAIT_MS = 3600 * 1000  # the engine's bound (OffloadConfig::kMaxSpillWaitMs)
+
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     """Every knob of an offload scope, validated once."""
@@ -101,6 +103,9 @@ class OffloadConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"hsoffload: {name} must be a non-negative int, got {value!r}")
+        if self.spill_wait_ms > _MAX_SPILL_WAIT_MS:
+            raise ValueError(f"hsoffload: spill_wait_ms must be at most {_MAX_SPILL_WAIT_MS} (one hour), got "
+                             f"{self.spill_wait_ms}")
         for name in ("offload_cpu_tensors", "pin_memory", "use_streams"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"hsoffload: {name} must be a bool, got {getattr(self, name)!r}")

@@ -310,8 +310,9 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 "spill-write-errors",
                 logging.WARNING,
                 "hsoffload: %d spill writes to %s failed (disk full or an I/O error; the first error was raised at "
-                "the next pack, if one came); those copies stayed in host memory. Free space there or point "
-                "spill_dir at a larger local disk. See scope.stats.spill_write_errors.",
+                "the next pack, if one came). Copies written from host memory stayed there; one written straight "
+                "from device memory is lost and its unpack raises. Free space there or point spill_dir at a larger "
+                "local disk. See scope.stats.spill_write_errors.",
                 stats.spill_write_errors,
                 self.config.spill_dir,
             )

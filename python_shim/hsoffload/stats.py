@@ -53,7 +53,7 @@ class PoolStats:
     slabs: int = 0  # slabs held now
     unpooled_bytes: int = 0  # unpooled blocks lent now (outside held_bytes)
     pinned_bytes: int = 0  # pinned bytes held for offload now: pinned slabs, unpooled blocks and spill staging
-    staging_bytes: int = 0  # the spill tier's staging chunks (pinned ones count against the pool's limit)
+    staging_bytes: int = 0  # the spill tier's staging chunks (pinned ones count against an explicit pool limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ class BudgetStats:
     limit: int = 0
     in_flight: int = 0
     peak: int = 0  # since the limit was last set
-    refused: int = 0  # packs that did not fit (spilled or kept on the device)
+    refused: int = 0  # reservations that did not fit (a pack may try more than once: after spill writes freed room)
     is_auto: bool = True
     mem_available: int = 0  # what "auto" was computed from
     local_world_size: int = 1

@@ -301,6 +301,7 @@ def test_spill_tier_on_gpu_bitwise(tmp_path: Path):
             assert all(torch.equal(g, p.grad) for g, p in zip(a[1], off.parameters()))
             assert s.spilled_tensors > 0 and s.spilled_bytes > 0, s
             assert s.spilled_from_device_tensors == 0, s  # host first, then disk
+            assert scope.spill_stats()["bytes_read"] > 0, scope.spill_stats()  # some came back from files
             assert s.offloaded_tensors == layers and s.restored_tensors == layers, s
         gc.collect()
         assert list(tmp_path.iterdir()) == []  # anonymous files: never a name on disk

@@ -100,9 +100,9 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // lock, within the limit; returns the free bytes of that kind now (less than `bytes` only where the limit stops it). The op
   // `reserve_host`: pins before the first step, so packs do not.
   int64_t reserve(int64_t bytes, bool pinned);
-  // Host memory that is not the pool's but is reported in its stats, and when pinned counts against its limit (one
-  // account for every pinned byte held for offload): the spill tier's staging chunks (`bytes` > 0 when a store
-  // allocates them, < 0 when it frees them).
+  // Host memory that is not the pool's but is reported in its stats (one account for every pinned byte held for
+  // offload): the spill tier's staging chunks (`bytes` > 0 when a store allocates them, < 0 when it frees them).
+  // Pinned staging counts against an explicit limit (set_limit); a limit that follows the budget holds it on top.
   void add_staging(int64_t bytes, bool pinned);
   // Free bytes of that kind in slabs now (returned blocks whose device use completed included).
   int64_t free_bytes(bool pinned);
@@ -167,7 +167,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   std::map<int64_t, Slab> slabs_;  // by id
   int64_t next_slab_id_ = 0;
   std::vector<Pending> pending_;  // returned extents whose last device use may still run
-  int64_t pinned_staging_bytes_ = 0;  // the pinned part of stats_.staging_bytes: counts against limit_
+  int64_t pinned_staging_bytes_ = 0;  // the pinned part of stats_.staging_bytes
   PoolStats stats_;
 };
 

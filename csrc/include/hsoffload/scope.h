@@ -57,6 +57,7 @@ struct OffloadConfig {
   // With spill_dir: how long a pack may wait (ms) for the spill tier to free host budget when packs outrun the disk;
   // past it, or with 0, the tensor stays on the device (kept_on_device_tensors). The wait counts in wait_ns.
   int64_t spill_wait_ms = 30000;
+  static constexpr int64_t kMaxSpillWaitMs = 3600 * 1000;
 
   void validate() const;
 };
@@ -164,12 +165,18 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
     int64_t budget_bytes = 0;
     bool any() const { return bytes > 0 || budget_bytes > 0; }
   };
-  // pack's decision and copy, under the lock. `first`: may return a HostNeed instead of allocating (the retry
-  // after growing may not, and does not count the save again).
-  HostNeed pack_locked(const at::Tensor& x, bool capturing, SavedHandle& handle, bool first);
-  // `defer` non-null: if the copy fits the budget but the pool lacks the room, or it does not fit but spill writes
-  // will make room, sets it and returns null.
-  std::shared_ptr<OffloadRecord> offload_locked(const at::Tensor& x, int64_t begin, int64_t end, HostNeed* defer);
+  // Which waits pack may still ask for: each is done at most once per pack, so the retries end.
+  struct MayDefer {
+    bool pool = true;
+    bool budget = true;
+  };
+  // pack's decision and copy, under the lock. May return a HostNeed (of a kind `may` allows) instead of allocating
+  // or copying; pack() then waits for it holding no lock and calls again. `first`: count the save (once per pack).
+  HostNeed pack_locked(const at::Tensor& x, bool capturing, SavedHandle& handle, bool first, MayDefer may);
+  // Sets `need` and returns null instead of offloading when `may` allows it and the copy fits the budget but the
+  // pool lacks the room (pool), or it does not fit but this scope's spill writes will make room (budget).
+  std::shared_ptr<OffloadRecord> offload_locked(const at::Tensor& x, int64_t begin, int64_t end, MayDefer may,
+                                                HostNeed& need);
   // The spill tier's order: queues writes of this scope's oldest host copies (pack order: backward needs them
   // last) until, once they finish, the budget has room for `need` bytes plus the headroom the next packs need.
   void spill_oldest_locked(int64_t need);
@@ -177,7 +184,8 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   at::Tensor restore(const SavedHandle& handle);
   // The three transfers a record goes through (transfer.h does the stream work).
   void copy_to_host_locked(OffloadRecord& record, const at::Tensor& x);
-  // Straight from the device to a file: only for a copy larger than the whole host budget.
+  // Straight from the device to a file: only when no host copy of this scope can make room (a copy larger than the
+  // whole budget, or a budget held by other scopes' copies or by failed writes).
   void spill_from_device_locked(OffloadRecord& record, const at::Tensor& x);
   void copy_to_device_locked(OffloadRecord& record);
 
@@ -189,6 +197,7 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // Host bytes whose spill writes are queued or running (shared with those jobs, which may outlive the scope).
   const std::shared_ptr<std::atomic<int64_t>> writing_bytes_ = std::make_shared<std::atomic<int64_t>>(0);
   int64_t largest_copy_ = 0;  // the largest host copy this scope made: the spill tier keeps room for two
+  size_t spill_cursor_ = 0;   // records_.in_pack_order() before it are not in host (spill_oldest_locked)
   const int64_t id_;
   // Shared with this scope's records so a handle can restore after the scope object is gone.
   const std::shared_ptr<std::mutex> mutex_;

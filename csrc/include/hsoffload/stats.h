@@ -48,7 +48,7 @@ namespace hsoffload {
   X(slabs, "slabs held now")                                                                                       \
   X(unpooled_bytes, "bytes of unpooled blocks lent now (outside held_bytes; granule-rounded)")                     \
   X(pinned_bytes, "pinned bytes held for offload now: pinned slabs, pinned unpooled blocks, pinned spill staging")    \
-  X(staging_bytes, "bytes of the spill tier's staging chunks (pinned ones count against the limit)")
+  X(staging_bytes, "bytes of the spill tier's staging chunks (pinned ones count against an explicit limit)")
 
 // The process-wide host budget (HostBudget::stats()).
 #define HSOFFLOAD_BUDGET_STATS(X)                                                                                   \

@@ -76,8 +76,10 @@ def test_device_memory_is_freed_at_copy_speed_while_the_disk_lags(setup):
     # A budget of two layers and a disk 500x slower than the copies: every layer still leaves the device at copy
     # speed (host first, then disk), so the device holds exactly what it holds without spill.
     hsoffload.set_host_budget(2 * STATE)
+    unpooled = hsoffload.pool_stats().unpooled
     lagging = _step(model, x, scope(max_host_bytes=2 * STATE))
     s = lagging["stats"]
+    assert hsoffload.pool_stats().unpooled == unpooled  # host copies came from the pool's slabs
     assert s.offloaded_tensors == LAYERS and s.spilled_tensors >= LAYERS - 2, s
     assert s.spilled_from_device_tensors == 0 and s.kept_on_device_tensors == 0, s
     assert lagging["written_after_forward"] < s.spilled_bytes, "the disk was expected to lag behind the packs"
@@ -115,8 +117,13 @@ def test_a_bounded_wait_then_keep_on_device(setup):
     s = got["stats"]
     assert s.kept_on_device_tensors > 0 and s.pack_wait_ns > 0, s
     assert all(torch.equal(g, r) for g, r in zip(got["grads"], reference))
+    import time
+
     gc.collect()
-    assert hsoffload.budget_stats().in_flight == 0
+    deadline = time.monotonic() + 10  # a write running when the graph went holds its copy until it ends
+    while hsoffload.budget_stats().in_flight:
+        assert time.monotonic() < deadline, hsoffload.budget_stats()
+        time.sleep(0.005)
 
 
 def test_spill_staging_is_in_the_one_pinned_account(dev, tmp_path: Path):
