@@ -99,6 +99,31 @@ def test_over_budget_without_spill_dir_stays_on_device(caplog: pytest.LogCapture
     assert "max_host_bytes=0" in warnings[0].getMessage() and "spill_dir" in warnings[0].getMessage()
 
 
+@pytest.mark.parametrize("wait_ms", [pytest.param(0, id="keep"), pytest.param(5, id="bounded-wait")])
+def test_lagging_disk_keeps_tensors_on_device_and_says_so_once(wait_ms: int, caplog, monkeypatch, tmp_path) -> None:
+    """Packs outrun a disk whose writes take 300 ms: with spill_wait_ms=0 a pack that finds no host room keeps its
+    tensor on the device at once; with 5 ms it waits that long first. Counted, logged once with the knob, bitwise."""
+    forget_logged()
+    monkeypatch.setenv("HSOFFLOAD_TEST_SPILL_WRITE_DELAY_MS", "300")  # read by the new directory's store
+    layers = 4
+    model = H.tiny_model("llama", layers=layers)
+    H.enable_checkpointing(model, False)
+    reference = H.twin(model)
+    data = H.batches(1)
+    state = H.BATCH * H.SEQ * 32 * 4  # one float32 hidden state
+    kwargs = dict(CPU, max_host_bytes=state, spill_dir=str(tmp_path), spill_wait_ms=wait_ms)
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        ours = H.train_steps(model, data, offload=True, scope_kwargs=kwargs)
+    H.assert_bitwise_equal(ours, H.train_steps(reference, data, offload=False))
+    s = ours[2][0]
+    assert s.kept_on_device_tensors >= 1 and s.offloaded_tensors + s.kept_on_device_tensors == layers, s
+    assert s.spilled_from_device_tensors == 0, s
+    assert (s.pack_wait_ns > 0) == (wait_ms > 0) and s.wait_ns >= s.pack_wait_ns, s
+    lines = [r.getMessage() for r in caplog.records if "stayed on the device" in r.getMessage()]
+    assert len(lines) == 1 and f"spill_wait_ms={wait_ms}" in lines[0] and "outran the disk" in lines[0], lines
+    _settled()
+
+
 def test_auto_budget_is_logged_once_with_its_figures(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
     forget_logged()
     monkeypatch.delenv("HSOFFLOAD_MAX_HOST_BYTES", raising=False)
