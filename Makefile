@@ -43,7 +43,7 @@ test-install:
 	bash scripts/install_check.sh $(PYTHON)
 
 # Proof that the emulated-device tests (tests/device/emu) catch every missing stream/event rule: deletes each rule's
-# line in a scratch copy of csrc/, rebuilds, reruns tests/device/emu (about 20 s a mutation; not part of CI).
+# line in a scratch copy of csrc/, rebuilds, reruns tests/device/emu (30-90 s a mutation on 2 cores; not part of CI).
 mutation-check: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) scripts/mutation_check.py
 

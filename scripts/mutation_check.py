@@ -10,7 +10,7 @@ rebuilt from the copy, and tests/device/emu runs against it (HSOFFLOAD_LIBRARY p
 mutation that no test catches is a missing test: the script exits 1 and names it. The unmutated build must pass first.
 
 Usage: python scripts/mutation_check.py [--only ID ...] [--markdown FILE]    (make mutation-check)
-Takes about 20 s per mutation on 2 cores (incremental rebuild of one file, then the emulated-device suite).
+Takes 30-90 s per mutation on 2 cores (incremental rebuild of one file, then the emulated-device suite).
 """
 
 from __future__ import annotations
