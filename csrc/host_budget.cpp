@@ -100,12 +100,6 @@ bool HostBudget::fits(int64_t bytes) {
   return stats_.in_flight + bytes <= stats_.limit;
 }
 
-int64_t HostBudget::room() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  resolve_locked();
-  return stats_.limit - stats_.in_flight;
-}
-
 bool HostBudget::wait_for_room(int64_t bytes, std::chrono::steady_clock::time_point deadline,
                                const std::function<bool()>& give_up) {
   std::unique_lock<std::mutex> lock(mutex_);

@@ -445,9 +445,9 @@ void OffloadScope::spill_from_device_locked(OffloadRecord& record, const at::Ten
 }
 
 void OffloadScope::spill_oldest_locked(int64_t need) {
-  const int64_t limit = budget_->stats().limit;
-  const int64_t headroom = std::min(2 * largest_copy_, limit / 2);
-  int64_t deficit = need + headroom - budget_->room() - writing_bytes_->load();
+  const BudgetStats budget = budget_->stats();
+  const int64_t headroom = std::min(2 * largest_copy_, budget.limit / 2);
+  int64_t deficit = need + headroom - (budget.limit - budget.in_flight) - writing_bytes_->load();
   const auto& records = records_.in_pack_order();  // oldest first
   // Records before the cursor are dead or have left kHost, which no copy ever re-enters: each is passed once.
   for (; spill_cursor_ < records.size() && deficit > 0; ++spill_cursor_) {
@@ -465,7 +465,7 @@ void OffloadScope::spill_oldest_locked(int64_t need) {
       copy->where = CopyLocation::Where::kSpilling;
       held = copy->lease.bytes();
     }
-    start_host_write_locked(copy, record->bytes());
+    start_host_write_locked(copy, record->bytes(), held);
     count(stats_, &OffloadStats::spilled_tensors, 1);
     count(stats_, &OffloadStats::spilled_bytes, record->bytes());
     deficit -= held;
@@ -501,10 +501,11 @@ class WritingBytes {
 
 }  // namespace
 
-void OffloadScope::start_host_write_locked(const std::shared_ptr<CopyLocation>& copy, int64_t bytes) {
+void OffloadScope::start_host_write_locked(const std::shared_ptr<CopyLocation>& copy, int64_t bytes,
+                                           int64_t held) {
   RECORD_USER_SCOPE("hsoffload::spill");
   std::weak_ptr<CopyLocation> weak = copy;  // the write must not keep a record alive that nobody needs
-  auto writing = std::make_shared<WritingBytes>(writing_bytes_, copy->lease.bytes(), budget_);
+  auto writing = std::make_shared<WritingBytes>(writing_bytes_, held, budget_);
   auto take = [weak]() -> std::optional<HostSource> {
     auto location = weak.lock();
     if (!location) {

@@ -318,6 +318,12 @@ std::shared_ptr<SpillFile> SpillStore::create_file(int64_t bytes, std::shared_pt
   return std::make_shared<SpillFile>(fd, bytes, direct, std::move(errors), open_files_);
 }
 
+void SpillStore::lag_for_tests() const {
+  if (write_delay_ms_ > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(write_delay_ms_));  // a lagging disk
+  }
+}
+
 std::shared_ptr<SpillFile> SpillStore::write(at::Tensor src, std::shared_ptr<c10::Event> produced,
                                              std::optional<c10::Stream> copy_stream,
                                              std::shared_ptr<SpillErrors> errors) {
@@ -339,9 +345,7 @@ void SpillStore::write_host(int64_t bytes, TakeHost take, HostWritten done) {
 void SpillStore::run_write_host(int64_t bytes, const TakeHost& take, const HostWritten& done,
                                 const at::Tensor& staging) {
   RECORD_USER_SCOPE("hsoffload::spill_write");
-  if (write_delay_ms_ > 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(write_delay_ms_));  // test knob: a lagging disk
-  }
+  lag_for_tests();
   std::optional<HostSource> source;
   std::string error;
   try {
@@ -405,9 +409,7 @@ void SpillStore::run_write(const std::shared_ptr<SpillFile>& file, at::Tensor sr
                            const std::shared_ptr<c10::Event>& produced, const std::optional<c10::Stream>& copy_stream,
                            const at::Tensor& staging) {
   RECORD_USER_SCOPE("hsoffload::spill_write");
-  if (write_delay_ms_ > 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(write_delay_ms_));  // test knob: a lagging disk
-  }
+  lag_for_tests();
   const int64_t t0 = now_ns();
   const int64_t n = file->bytes();
   std::string error;

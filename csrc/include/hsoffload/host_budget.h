@@ -61,8 +61,6 @@ class HostBudget : public std::enable_shared_from_this<HostBudget> {
   bool try_reserve(int64_t bytes, HostLease& lease);
   // Whether try_reserve(bytes) would succeed now (reserves nothing; another thread may take the room first).
   bool fits(int64_t bytes);
-  // limit - in_flight now (negative after a lower limit was set under live leases).
-  int64_t room();
   // Blocks the calling thread (which must hold no lock that a lease's release needs) until fits(bytes), until
   // `deadline`, or until `give_up()` (asked under the budget's mutex, so it must not take it) says so; returns
   // fits(bytes) then. Woken by every give-back and by wake().

@@ -180,7 +180,8 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // The spill tier's order: queues writes of this scope's oldest host copies (pack order: backward needs them
   // last) until, once they finish, the budget has room for `need` bytes plus the headroom the next packs need.
   void spill_oldest_locked(int64_t need);
-  void start_host_write_locked(const std::shared_ptr<CopyLocation>& copy, int64_t bytes);
+  // Queues the write of `copy` (`bytes` of data; `held`: its budget lease, counted in writing_bytes_ until done).
+  void start_host_write_locked(const std::shared_ptr<CopyLocation>& copy, int64_t bytes, int64_t held);
   at::Tensor restore(const SavedHandle& handle);
   // The three transfers a record goes through (transfer.h does the stream work).
   void copy_to_host_locked(OffloadRecord& record, const at::Tensor& x);

@@ -160,6 +160,7 @@ class SpillStore {
   // A test knob: every write sleeps this long first, so tests can make the disk lag the packs
   // ($HSOFFLOAD_TEST_SPILL_WRITE_DELAY_MS, read when the store is created).
   int64_t write_delay_ms_ = 0;
+  void lag_for_tests() const;  // every write calls it first
   std::vector<std::thread> threads_;
 };
 
