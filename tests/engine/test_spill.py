@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from support import hf_tiny as H
+from support.waits import until
 import hsoffload
 from hsoffload import OffloadConfig, OffloadScope, mark_hidden_state as mark
 from hsoffload._logging import forget_logged
@@ -42,10 +42,8 @@ def _settled(scope: Optional[OffloadScope] = None) -> None:
     """Waits (10 s at most) until no host copy is held: a spill write that was running when its graph was freed holds
     its copy until it ends (docs/design.md, "Host budget and spill tier")."""
     gc.collect()
-    deadline = time.monotonic() + 10
-    while hsoffload.budget_stats().in_flight or (scope is not None and scope.spill_stats()["files"]):
-        assert time.monotonic() < deadline, (hsoffload.budget_stats(), scope and scope.spill_stats())
-        time.sleep(0.005)
+    until(lambda: not hsoffload.budget_stats().in_flight and not (scope is not None and scope.spill_stats()["files"]),
+          lambda: (hsoffload.budget_stats(), scope and scope.spill_stats()), timeout=10)
 
 
 def _nothing_left(scope: OffloadScope, spill_dir: Path) -> None:

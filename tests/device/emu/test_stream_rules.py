@@ -14,6 +14,7 @@ import torch
 import hsemu
 import hsoffload
 from hsoffload import OffloadScope
+from support.waits import until
 
 DELAY = 20_000  # us: a copy or stall that the host certainly overtakes
 SHORT = 2_000
@@ -211,19 +212,9 @@ def spill_scope(tmp_path):
         assert s.stats.kept_on_device_tensors == 0
 
 
-def _until(done, what) -> None:
-    """Waits (30 s at most) until `done()`; `what()` says what was seen if it never is."""
-    import time
-
-    deadline = time.monotonic() + 30
-    while not done():
-        assert time.monotonic() < deadline, what()
-        time.sleep(0.001)
-
-
 def _written(scope: OffloadScope, nbytes: int) -> None:
     """Waits until the I/O threads have written `nbytes` more than when the scope was entered."""
-    _until(lambda: scope.spill_stats()["bytes_written"] >= nbytes, scope.spill_stats)
+    until(lambda: scope.spill_stats()["bytes_written"] >= nbytes, scope.spill_stats)
 
 
 def test_spill_write_waits_for_the_producing_stream(dev, spill_scope):
@@ -293,7 +284,7 @@ def test_spill_from_host_waits_for_the_host_copy(dev, tmp_path):
                 handle = _pack(scope, _full(4.0, dev))
                 _written(scope, N * 4)
         # The copy moved to the file and gave its host block back: the restore reads the file.
-        _until(lambda: hsoffload.budget_stats().in_flight == 0, hsoffload.budget_stats)
+        until(lambda: hsoffload.budget_stats().in_flight == 0, hsoffload.budget_stats)
         assert scope.stats.spilled_tensors == 1 and scope.stats.spilled_from_device_tensors == 0, scope.stats
         _expect(unpack_op(handle), 4.0)
     finally:
