@@ -97,7 +97,8 @@ def test_two_ranks_mark_a_dtensor_with_the_op_the_function_or_the_scope(tmp_path
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker)]
     proc = subprocess.run(cmd + ["--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    written = sorted(p.name for p in tmp_path.glob("rank*.json"))
+    assert proc.returncode == 0, f"results written: {written}\n" + proc.stdout[-4000:] + proc.stderr[-8000:]
     for rank in (0, 1):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert {r["marker"] for r in results} == {"op", "function", "scope.mark"} and len(results) == 9
