@@ -60,6 +60,18 @@ std::pair<int64_t, int64_t> storage_span(const at::Tensor& x) {
   return {begin, begin + (last + 1) * itemsize};
 }
 
+// The bytes a new record copies for a save whose storage span is `span`: the span, or the whole storage when the
+// span covers most of it. Sibling views of one output -- the chunks of a fused projection (gate/up, q/k/v), columns
+// of one index tensor -- each span nearly all of their storage without covering one another; copying the storage
+// once lets the later siblings find the record (RecordIndex::find) instead of copying the same bytes again. At most
+// 4/3 of the span is copied; a view of under 3/4 of its storage copies only its span. (M21)
+std::pair<int64_t, int64_t> copy_span(std::pair<int64_t, int64_t> span, int64_t storage_bytes) {
+  if (4 * (span.second - span.first) >= 3 * storage_bytes) {
+    return {0, storage_bytes};
+  }
+  return span;
+}
+
 void count(OffloadStats& local, int64_t OffloadStats::*field, int64_t n) {
   local.*field += n;
   std::lock_guard<std::mutex> lock(process_stats_mutex());
@@ -328,9 +340,13 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
                      (x_begin - record->source.begin) % static_cast<int64_t>(x.element_size()) != 0)) {
         record = nullptr;  // same storage but new contents (or misaligned for this dtype): copy again
       }
+      if (record && open_group_ >= 0 && record->group < open_group_) {
+        records_.regroup(record, open_group_, next_seq_++, epoch_);  // (M23) saved again by a later layer
+      }
       HostNeed need;
       if (!record) {
-        record = offload_locked(x, span.first, span.second, may, need);
+        const auto copied = copy_span(span, static_cast<int64_t>(x.storage().nbytes()));
+        record = offload_locked(x, copied.first, copied.second, may, need);
       }
       if (need.any()) {
         return need;  // pack() grows the pool or waits for room holding no lock, then comes back
@@ -340,6 +356,7 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
         return {};
       }
       handle->passthrough_ = at::Tensor();  // the record replaces the device tensor
+      ++record->restore.live_handles;       // under the scope's mutex, which is the record's
       handle->record_ = std::move(record);
       handle->dtype_ = x.scalar_type();
       handle->sizes_ = x.sizes().vec();
@@ -619,6 +636,12 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
       }
     }
   }
+  // (M22) Later handles of this record reuse this restore instead of copying the bytes again.
+  if (restore.note_unpack(handle.round_)) {
+    restore.held.reset();
+  } else {
+    restore.held = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(dev.storage().unsafeGetStorageImpl());
+  }
   if (restore.h2d_done) {
     consume(dev, *restore.h2d_done, restore.alloc_stream);
   }
@@ -644,6 +667,15 @@ void SavedHandle::check_version() const {
               "(detected by hsoffload's unpack hook): is at version ",
               now, "; expected version ", version_at_pack_,
               " instead. Hint: do not modify a tensor in place after autograd saved it, or clone it first.");
+}
+
+SavedHandle::~SavedHandle() {
+  if (!record_) {
+    return;
+  }
+  c10::intrusive_ptr<c10::StorageImpl> release;  // freed after the lock is let go (destroyed after `lock`)
+  std::lock_guard<std::mutex> lock(*record_->mutex);
+  release = record_->restore.drop_handle(round_);
 }
 
 at::Tensor SavedHandle::unpack() const {

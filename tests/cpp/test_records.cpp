@@ -1,5 +1,6 @@
 // C++ unit tests of the record index (csrc/records.cpp) and prefetch scheduling (csrc/prefetch.cpp): dedup by
-// storage and span, weak entries, pruning, and which records a restore prefetches. CPU only, no streams, no copies.
+// storage and span, weak entries, pruning, regrouping, and which records a restore prefetches. CPU only, no streams,
+// no copies.
 #include "hsoffload/prefetch.h"
 #include "hsoffload/records.h"
 
@@ -113,6 +114,30 @@ void test_prefetch_rest_of_group() {
   EXPECT(next.size() == 2 && next[0] == held[1]);
 }
 
+void test_regroup_moves_a_record_to_its_last_group() {
+  // Groups 0, 1, 2 (one record each, layers in forward order) and a record first packed in group 0 that groups 1
+  // and 2 saved again (rotary cos/sin): it moves to group 2 at the end of pack order, its first entry goes stale.
+  RecordIndex index;
+  at::Tensor x = at::randn({1024});
+  std::vector<std::shared_ptr<OffloadRecord>> layer;
+  auto shared = record_of(x, 0, 512, /*seq=*/0, /*group=*/0);
+  index.add(shared);
+  for (int64_t g = 0; g < 3; ++g) {
+    layer.push_back(record_of(x, 512 + g * 512, 1024 + g * 512, /*seq=*/1 + g, /*group=*/g));
+    index.add(layer.back());
+    if (g > 0) index.regroup(shared, g, /*seq=*/10 + g, /*epoch=*/0);
+  }
+  EXPECT(shared->group == 2 && shared->seq == 12);
+  EXPECT(index.live() == 4 && index.size() == 6);  // two stale entries, each record counted once
+  index.regroup(shared, 1, 20, 0);  // an earlier group: no move
+  EXPECT(shared->group == 2 && index.size() == 6);
+  // Its unpack (in the last layer's backward) prefetches the rest of group 2 and group 1 -- not group 0.
+  auto next = hsoffload::records_to_prefetch(index, *shared, {1, 0});
+  EXPECT(next.size() == 2 && next[0] == layer[2] && next[1] == layer[1]);
+  index.prune();
+  EXPECT(index.size() == 4);  // stale entries go with pruning
+}
+
 }  // namespace
 
 int main() {
@@ -121,5 +146,6 @@ int main() {
   test_dead_storage_never_matches();
   test_prefetch_order_and_depths();
   test_prefetch_rest_of_group();
+  test_regroup_moves_a_record_to_its_last_group();
   EXPECT_DONE("test_records");
 }

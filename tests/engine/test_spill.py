@@ -69,8 +69,10 @@ def test_tiny_llama_with_a_quarter_budget_spills_and_is_bitwise(reentrant: bool,
     for s in ours[2]:
         assert s.offloaded_bytes == offloaded and s.restored_bytes == offloaded, s
         # A budget of one layer: every copy goes to host at copy speed, then to disk (the spill tier keeps room for the
-        # next pack), none straight from the device, none left on it.
-        assert s.spilled_bytes == offloaded and s.spilled_tensors == layers, s
+        # next pack), none straight from the device, none left on it. The last may stay in host, within the budget,
+        # if the write before it is still running when it is packed (a write in progress counts as room on its way).
+        assert s.spilled_tensors in (layers - 1, layers), s
+        assert s.spilled_bytes == s.spilled_tensors * (offloaded // layers), s
         assert s.spilled_from_device_tensors == 0 and s.kept_on_device_tensors == 0, s
         assert s.prefetch_hits >= layers - 2, s  # spilled tensors were read back ahead of their unpack
     assert hsoffload.budget_stats().peak <= budget

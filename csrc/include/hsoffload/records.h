@@ -8,7 +8,8 @@
 //
 // Thread-safety: RecordIndex has none of its own; its owner (OffloadScope) calls it under its mutex. A record's
 // `restore` state is guarded by `record.mutex` (the owning scope's mutex); its `copy` by the copy's own mutex (the
-// spill tier's I/O threads change it); the rest is written once, at pack.
+// spill tier's I/O threads change it); `seq`, `group` and `epoch` at pack and at regroup (under the scope's mutex);
+// the rest is written once, at pack.
 #pragma once
 
 #include "hsoffload/host_budget.h"
@@ -80,6 +81,19 @@ struct RestoreState {
   std::optional<c10::Stream> alloc_stream;  // stream whose pool owns the restored block
   c10::weak_intrusive_ptr<c10::StorageImpl> restored{c10::intrusive_ptr<c10::StorageImpl>()};  // while held
   bool restored_once = false;  // an unpack restored it
+  // One restore serves every handle of the record, as the one saved tensor would have without offload (the chunks
+  // of a fused projection, a tensor every layer saves: their backward nodes run apart). A round is one pass of
+  // backward over the record: it ends when every live handle has unpacked in it (a retained graph's next backward
+  // is the next round). Until then the record keeps the restored storage (`held`); a handle that dies without
+  // unpacking leaves the round (SavedHandle's destructor).
+  int64_t live_handles = 0;
+  int64_t round = 0;
+  int64_t unpacked_this_round = 0;
+  c10::intrusive_ptr<c10::StorageImpl> held;
+  // A handle of this record unpacked (first unpack of `handle_round` in this round); true when the round is over.
+  bool note_unpack(int64_t& handle_round);
+  // A handle (which last unpacked in `handle_round`) is gone. Returns the storage to free once the mutex is let go.
+  c10::intrusive_ptr<c10::StorageImpl> drop_handle(int64_t handle_round);
 };
 
 // One host copy of a span of one storage. Shared by every handle whose tensor lies inside that span (tensors saved
@@ -98,6 +112,15 @@ struct OffloadRecord {
   bool spilled() const { return !copy->in_host(); }  // the next restore reads a file
 };
 
+// A record's place in pack order, made when it was packed in `group`.
+struct PackEntry {
+  std::weak_ptr<OffloadRecord> record;
+  int64_t group = 0;
+  // The record, or null when it died or moved on to a later group (RecordIndex::regroup): then a later entry is
+  // its place.
+  std::shared_ptr<OffloadRecord> lock() const;
+};
+
 // The live records of one scope.
 class RecordIndex {
  public:
@@ -105,8 +128,13 @@ class RecordIndex {
   void add(const std::shared_ptr<OffloadRecord>& record);
   // A live record of `storage` whose span covers [begin, end), or null.
   std::shared_ptr<OffloadRecord> find(const c10::StorageImpl* storage, int64_t begin, int64_t end) const;
-  // Records in pack order, oldest first (entries may have expired).
-  const std::vector<std::weak_ptr<OffloadRecord>>& in_pack_order() const { return records_; }
+  // `record`, found again by a pack in a later `group` (a tensor every layer saves: rotary cos/sin), moves to that
+  // group at the end of pack order (sequence number `seq`, scope entry `epoch`): backward, in reverse, needs it there
+  // first, so prefetch brings it back with that group -- not with its first group, whose neighbours would come back
+  // a whole layer early. RestoreState::held keeps it for the earlier groups' handles. No-op for an earlier group.
+  void regroup(const std::shared_ptr<OffloadRecord>& record, int64_t group, int64_t seq, int64_t epoch);
+  // Records in pack order, oldest first (entries may have expired or moved: PackEntry::lock).
+  const std::vector<PackEntry>& in_pack_order() const { return records_; }
   // Entries held, expired ones included (what pruning is scheduled by).
   size_t size() const { return records_.size(); }
   // Records still alive.
@@ -115,7 +143,7 @@ class RecordIndex {
   void prune();
 
  private:
-  std::vector<std::weak_ptr<OffloadRecord>> records_;
+  std::vector<PackEntry> records_;
   std::unordered_multimap<const c10::StorageImpl*, std::weak_ptr<OffloadRecord>> by_storage_;
 };
 

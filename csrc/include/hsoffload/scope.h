@@ -65,7 +65,7 @@ struct OffloadConfig {
 class OffloadScope;
 
 // What pack returns: either the original tensor (passthrough) or a share of a record (a host or spill copy).
-// Immutable after construction; the restore state lives in the record.
+// Immutable after construction but for `round_`; the restore state lives in the record.
 class SavedHandle {
  public:
   // Returns a tensor bit-identical to the packed one (dtype, device, sizes,
@@ -76,6 +76,10 @@ class SavedHandle {
   // A handle that keeps `x` itself (no scope involved): what pack returns when
   // no offload scope applies.
   static std::shared_ptr<SavedHandle> passthrough(const at::Tensor& x);
+  // Leaves its record's round of unpacks (RestoreState::drop_handle).
+  ~SavedHandle();
+  SavedHandle(const SavedHandle&) = delete;
+  SavedHandle& operator=(const SavedHandle&) = delete;
 
  private:
   friend class OffloadScope;
@@ -91,6 +95,8 @@ class SavedHandle {
   int64_t offset_in_span_ = 0;  // elements from the start of the copied span
   bool conj_ = false;           // conjugate and negative views are bits on the tensor, restored with it
   bool neg_ = false;
+  // The record's round in which this handle last unpacked, or -1 (RestoreState::note_unpack; the record's mutex).
+  mutable int64_t round_ = -1;
   // Autograd skips its version check once saved-tensor hooks are installed; we
   // keep the tensor's shared version counter (not the tensor) to check it.
   std::optional<c10::VariableVersion> version_counter_;

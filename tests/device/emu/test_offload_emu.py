@@ -260,9 +260,10 @@ def test_dtypes_and_views_round_trip_exactly(dev, dtype, view):
 
 @pytest.mark.parametrize("use_streams", [True, False])
 def test_spill_tier_on_the_device_is_bitwise(dev, tmp_path, use_streams):
-    """Budget for one layer of four: every copy goes device -> host block (side stream) -> file (an I/O thread, once
+    """Budget for one layer of four: the copies go device -> host block (side stream) -> file (an I/O thread, once
     the copy is done) and back file -> staging -> device, while the compute stream lags and sentinels take the freed
-    blocks."""
+    blocks. The three that must make room are written; the last may stay in host, within the budget, if the write
+    before it is still running when it is packed (a write in progress counts as room on its way)."""
     torch.manual_seed(5)
     ref = Stack().to(dev)
     off = copy.deepcopy(ref)
@@ -281,7 +282,7 @@ def test_spill_tier_on_the_device_is_bitwise(dev, tmp_path, use_streams):
             loss.backward()
         _assert_same(expected, (loss.detach().cpu(), _grads(off)))
         s = scope.stats
-        assert s.offloaded_tensors == 4 and s.spilled_tensors == 4 and s.restored_tensors == 4, s
+        assert s.offloaded_tensors == 4 and s.spilled_tensors in (3, 4) and s.restored_tensors == 4, s
         assert s.spilled_from_device_tensors == 0 and s.kept_on_device_tensors == 0, s
     del loss
     import gc
@@ -310,3 +311,66 @@ def test_tiny_llama_policies_bitwise_with_layer_prefetch(dev, policy, prefetch_d
     for s in got[2]:
         assert s.offloaded_tensors > 3 * layers, s
         assert s.prefetch_hits > s.restored_tensors // 2, s
+
+
+def test_sibling_chunks_share_one_copy_and_one_restore(dev):
+    """The two halves of a fused projection (gate/up, as Phi-3's gate_up_proj gives them) each span nearly all of
+    one storage without covering each other: they share one host copy of the whole storage (M21), and the one
+    restore of it serves both backward nodes, which run apart (M22). Bitwise equal to no offload."""
+    torch.manual_seed(0)
+    x0 = torch.randn(256, 64, device=dev, requires_grad=True)
+    w0 = torch.randn(64, 512, device=dev, requires_grad=True)
+
+    def step(x: torch.Tensor, w: torch.Tensor, scope: OffloadScope | None) -> torch.Tensor:
+        fused = x @ w  # 256 x 512: gate and up side by side
+        gate, up = fused.chunk(2, dim=-1)
+        if scope is not None:
+            gate, up = scope.mark(gate), scope.mark(up)
+        return (torch.nn.functional.silu(gate) * up).sum()  # silu saves gate; mul saves silu(gate) and up
+
+    ref = step(x0, w0, None)
+    ref.backward()
+    x, w = x0.detach().clone().requires_grad_(), w0.detach().clone().requires_grad_()
+    with OffloadScope(min_offload_size=0, use_streams=True) as scope:
+        loss = step(x, w, scope)
+        loss.backward()
+    hsemu.synchronize()
+    assert torch.equal(loss, ref) and torch.equal(x.grad, x0.grad) and torch.equal(w.grad, w0.grad)
+    s = scope.stats
+    fused_bytes = 256 * 512 * 4
+    assert s.offloaded_tensors == 1 and s.offloaded_bytes == fused_bytes, s  # one copy, not two overlapping spans
+    assert s.restored_tensors == 2 and s.restored_bytes == fused_bytes, s  # one restore for both consumers
+
+
+def test_a_tensor_every_layer_saves_comes_back_with_the_last_layer(dev):
+    """Rotary cos/sin are computed once and saved by every decoder layer: one record, first packed in layer 0.
+    Backward of the last layer must bring back one layer ahead (prefetch_depth 1), not layer 0's group as well
+    (M23); the device bytes held when the last layer's backward ends are what it proves."""
+    model = hf_tiny.tiny_model("llama").to(dev)
+    ids = torch.randint(3, hf_tiny.VOCAB, (1, 256)).to(dev)
+    layers = model.model.layers
+    held_after: dict[int, int] = {}
+
+    def after_backward(index: int):  # noqa: ANN202
+        def hook(module, grad_in, grad_out):  # noqa: ANN001, ANN202
+            hsemu.synchronize()
+            held_after[index] = hsemu.stats()["allocated_bytes"]
+        return hook
+
+    handles = [layer.register_full_backward_hook(after_backward(i)) for i, layer in enumerate(layers)]
+    try:
+        with hsoffload.offload_hidden_states(model, policy="all", min_offload_size=0, prefetch_depth=1) as scope:
+            loss = model(input_ids=ids, labels=ids).loss
+            hsemu.synchronize()
+            before_backward = hsemu.stats()["allocated_bytes"]
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    per_layer = [scope.layer_tracker.layers[n].offloaded_bytes for n in scope.layer_tracker.layers]
+    assert len(per_layer) == len(layers) == 3 and min(per_layer) > 0, per_layer
+    last = len(layers) - 1
+    # Held when the last layer's backward ends: the previous layer, prefetched -- not two layers.
+    grown = held_after[last] - before_backward
+    assert grown < 1.5 * per_layer[last - 1], (grown, per_layer)
+    assert scope.stats.restored_bytes == scope.stats.offloaded_bytes, scope.stats  # every record restored once
