@@ -340,7 +340,10 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
                      (x_begin - record->source.begin) % static_cast<int64_t>(x.element_size()) != 0)) {
         record = nullptr;  // same storage but new contents (or misaligned for this dtype): copy again
       }
-      if (record && open_group_ >= 0 && record->group < open_group_) {
+      // Only within this scope entry's forward: a record of another graph, or one backward has restored already (a
+      // reentrant recompute saving it again), keeps its place.
+      if (record && open_group_ >= 0 && record->group < open_group_ && record->epoch == epoch_ &&
+          !record->restore.restored_once) {
         records_.regroup(record, open_group_, next_seq_++, epoch_);  // (M23) saved again by a later layer
       }
       HostNeed need;
@@ -356,7 +359,10 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
         return {};
       }
       handle->passthrough_ = at::Tensor();  // the record replaces the device tensor
-      ++record->restore.live_handles;       // under the scope's mutex, which is the record's
+      {
+        std::lock_guard<std::mutex> round_lock(record->restore.round_mutex);
+        ++record->restore.live_handles;
+      }
       handle->record_ = std::move(record);
       handle->dtype_ = x.scalar_type();
       handle->sizes_ = x.sizes().vec();
@@ -636,11 +642,15 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
       }
     }
   }
-  // (M22) Later handles of this record reuse this restore instead of copying the bytes again.
-  if (restore.note_unpack(handle.round_)) {
-    restore.held.reset();
-  } else {
-    restore.held = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(dev.storage().unsafeGetStorageImpl());
+  c10::intrusive_ptr<c10::StorageImpl> release;  // our reference to a held restore goes after round_lock does
+  {
+    std::lock_guard<std::mutex> round_lock(restore.round_mutex);
+    // (M22) Later handles of this record reuse this restore instead of copying the bytes again.
+    if (restore.note_unpack(handle.round_)) {
+      release = std::move(restore.held);
+    } else {
+      restore.held = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(dev.storage().unsafeGetStorageImpl());
+    }
   }
   if (restore.h2d_done) {
     consume(dev, *restore.h2d_done, restore.alloc_stream);
@@ -674,7 +684,7 @@ SavedHandle::~SavedHandle() {
     return;
   }
   c10::intrusive_ptr<c10::StorageImpl> release;  // freed after the lock is let go (destroyed after `lock`)
-  std::lock_guard<std::mutex> lock(*record_->mutex);
+  std::lock_guard<std::mutex> lock(record_->restore.round_mutex);  // never the scope's mutex: see RestoreState
   release = record_->restore.drop_handle(round_);
 }
 

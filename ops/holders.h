@@ -1,7 +1,7 @@
 // How engine objects cross the op boundary: handle tensors (saved data) and the OffloadScope custom class.
 //
-// Thread-safety: a handle tensor owns an immutable SavedHandle; the holder only forwards to the scope, which
-// guards itself.
+// Thread-safety: a handle tensor owns a SavedHandle (immutable but for its round of unpacks, guarded by its record);
+// the holder only forwards to the scope, which guards itself.
 //
 // Note on the handle type: `offload_pack` returns a *handle tensor*: a
 // 0-element uint8 CPU tensor whose storage owns the engine's SavedHandle

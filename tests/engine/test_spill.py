@@ -64,6 +64,11 @@ def test_tiny_llama_with_a_quarter_budget_spills_and_is_bitwise(reentrant: bool,
     offloaded = layers * H.BATCH * H.SEQ * 32 * 4  # one float32 hidden state per layer
     budget = offloaded // 4
     kwargs = dict(CPU, max_host_bytes=budget, spill_dir=str(tmp_path), spill_prefetch_depth=2)
+    # The directory's store lives while a scope that entered with it does: this one keeps it (and its I/O counters)
+    # past the training steps' scopes, whenever the garbage collector takes those.
+    keeper = OffloadScope(OffloadConfig(**kwargs))
+    with keeper:
+        pass
     ours = H.train_steps(model, data, offload=True, scope_kwargs=kwargs)
     H.assert_bitwise_equal(ours, H.train_steps(reference, data, offload=False))
     for s in ours[2]:
@@ -76,11 +81,9 @@ def test_tiny_llama_with_a_quarter_budget_spills_and_is_bitwise(reentrant: bool,
         assert s.spilled_from_device_tensors == 0 and s.kept_on_device_tensors == 0, s
         assert s.prefetch_hits >= layers - 2, s  # spilled tensors were read back ahead of their unpack
     assert hsoffload.budget_stats().peak <= budget
-    with OffloadScope(OffloadConfig(**kwargs)) as scope:
-        pass
-    io = scope.spill_stats()  # the directory's store: what really went through files
+    io = keeper.spill_stats()  # the directory's store: what really went through files
     assert io["bytes_written"] > 0 and io["bytes_read"] > 0, io
-    _nothing_left(scope, tmp_path)
+    _nothing_left(keeper, tmp_path)
 
 
 def test_over_budget_without_spill_dir_stays_on_device(caplog: pytest.LogCaptureFixture) -> None:

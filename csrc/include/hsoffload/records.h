@@ -8,8 +8,9 @@
 //
 // Thread-safety: RecordIndex has none of its own; its owner (OffloadScope) calls it under its mutex. A record's
 // `restore` state is guarded by `record.mutex` (the owning scope's mutex); its `copy` by the copy's own mutex (the
-// spill tier's I/O threads change it); `seq`, `group` and `epoch` at pack and at regroup (under the scope's mutex);
-// the rest is written once, at pack.
+// spill tier's I/O threads change it); the round of unpacks by `restore.round_mutex`; `seq`, `group` and `epoch` at
+// pack and at regroup (under the scope's mutex); the rest is written once, at pack. Lock order: scope -> copy ->
+// pool/budget, and scope -> round.
 #pragma once
 
 #include "hsoffload/host_budget.h"
@@ -72,7 +73,8 @@ struct CopyLocation {
   bool in_host() const { return where.load() != Where::kFile; }
 };
 
-// The state of the restore in progress or last done. Guarded by the record's mutex.
+// The state of the restore in progress or last done. Guarded by the record's mutex, except the round of unpacks
+// (below: its own mutex).
 struct RestoreState {
   at::Tensor prefetched;  // device bytes of a restore started ahead of its unpack (until unpack takes them)
   int64_t pad = 0;        // where the span starts inside that block
@@ -85,7 +87,10 @@ struct RestoreState {
   // of a fused projection, a tensor every layer saves: their backward nodes run apart). A round is one pass of
   // backward over the record: it ends when every live handle has unpacked in it (a retained graph's next backward
   // is the next round). Until then the record keeps the restored storage (`held`); a handle that dies without
-  // unpacking leaves the round (SavedHandle's destructor).
+  // unpacking leaves the round (SavedHandle's destructor). These four fields and SavedHandle::round_ are guarded by
+  // `round_mutex` alone, which is taken last and never held while calling out (a handle's destructor, run by
+  // autograd or Python's garbage collector on any thread, takes it and not the scope's mutex).
+  std::mutex round_mutex;
   int64_t live_handles = 0;
   int64_t round = 0;
   int64_t unpacked_this_round = 0;

@@ -95,7 +95,7 @@ class SavedHandle {
   int64_t offset_in_span_ = 0;  // elements from the start of the copied span
   bool conj_ = false;           // conjugate and negative views are bits on the tensor, restored with it
   bool neg_ = false;
-  // The record's round in which this handle last unpacked, or -1 (RestoreState::note_unpack; the record's mutex).
+  // The record's round in which this handle last unpacked, or -1 (RestoreState::note_unpack; its round_mutex).
   mutable int64_t round_ = -1;
   // Autograd skips its version check once saved-tensor hooks are installed; we
   // keep the tensor's shared version counter (not the tensor) to check it.
