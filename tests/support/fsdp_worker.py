@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import hashlib
 import json
 import os
@@ -250,6 +251,7 @@ def main() -> int:
     ap.add_argument("--skip-stock", action="store_true")
     ap.add_argument("--train-steps", type=int, default=0, help="then train this many steps under hidden-state offload")
     a = ap.parse_args()
+    faulthandler.enable()  # a native abort prints every thread's Python stack (see dtensor_worker.py)
 
     os.environ["ACCELERATE_USE_FSDP"] = "1"
     os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "1"
