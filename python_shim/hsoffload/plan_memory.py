@@ -310,12 +310,13 @@ def hidden_bytes(shape: ModelShape, s: Setup) -> int:
     return s.tokens * shape.hidden * s.dtype_bytes
 
 
-def norm_saved_bytes(width: int, tokens: int, b: int, with_input: bool = False) -> int:
+def norm_saved_bytes(width: int, tokens: int, b: int, with_input: bool = False, output_saved: bool = True) -> int:
     """What one RMSNorm over `width` saves (transformers': upcast, normalise, cast back, scale): the normalised tensor
-    in the dtype and the output, and when the dtype is narrower the float32 copy of its input (the float32
-    normalised tensor is not saved: its cast back saves nothing); `with_input`: also its input when that is the
-    float32 copy itself (held by no one else)."""
-    saved = tokens * width * (2 * b + (F32 if b < F32 else 0))
+    in the dtype and the output (when the next op saves it: a projection does, RoPE's multiplication by cos/sin does
+    not), and when the dtype is narrower the float32 copy of its input (the float32 normalised tensor is not saved:
+    its cast back saves nothing); `with_input`: also its input when that is the float32 copy itself (held by no one
+    else)."""
+    saved = tokens * width * ((2 if output_saved else 1) * b + (F32 if b < F32 else 0))
     return saved + (tokens * width * b if with_input and b >= F32 else 0)
 
 
@@ -352,7 +353,8 @@ def attention_saved_bytes(shape: ModelShape, s: Setup) -> int:
     tensors, o_proj's input; math/eager also the softmax probabilities (S x S per head)."""
     t, b = s.tokens, s.dtype_bytes
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    qk_norm = norm_saved_bytes(q + kv, t, b, with_input=True) if shape.qk_norm else 0
+    # QK-norm's output goes into RoPE, whose products save only cos and sin (which need no gradient)
+    qk_norm = norm_saved_bytes(q + kv, t, b, with_input=True, output_saved=False) if shape.qk_norm else 0
     if s.attn in ("sdpa", "flash"):
         # q, k, v (GQA's k and v not repeated), the output (tokens-major already: making it contiguous for o_proj
         # copies nothing, so o_proj saves the same tensor), logsumexp
@@ -399,15 +401,16 @@ def ulysses_buffer_bytes(shape: ModelShape, s: Setup) -> int:
 
 def mlp_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """What the MLP saves for backward. Dense gated MLP: gate, act(gate), up, their product (4 x intermediate per
-    token). MoE (transformers' expert loop): per routed token the gathered input, gate_up, act, product and the
-    expert's output, plus the router's float32 probabilities and a shared expert. With tiled_mlp N only the
-    input is saved (each chunk is recomputed in backward)."""
+    token). MoE (transformers' expert loop): per routed token the gathered input, gate_up, act, product, the
+    expert's output and its weighted output (which `index_add_`'s backward keeps for its shape), plus the router's
+    float32 probabilities and a shared expert. With tiled_mlp N only the input is saved (each chunk is recomputed
+    in backward)."""
     t, b = s.tokens, s.dtype_bytes
     if s.tiled_mlp > 1:
         return t * shape.hidden * b
     if not moe:
         return 4 * t * shape.intermediate * b
-    routed = t * shape.experts_per_token * (2 * shape.hidden + 4 * shape.expert_intermediate) * b
+    routed = t * shape.experts_per_token * (3 * shape.hidden + 4 * shape.expert_intermediate) * b
     router = t * shape.experts * (b + F32)
     shared = 4 * t * shape.shared_expert_intermediate * b
     return routed + router + shared
@@ -440,7 +443,9 @@ def layer_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     and what its recompute materialises with it."""
     t, b = s.tokens, s.dtype_bytes
     norms = shape.norms_per_layer * norm_saved_bytes(shape.hidden, t, b)
-    mid_residual = t * shape.hidden * b  # the attention block's residual sum, the second norm's input
+    # The attention block's residual sum, the second norm's input: saved by it in float32; in a narrower dtype the
+    # norm saves its float32 copy (counted in `norms`) and the sum itself is held by no one.
+    mid_residual = t * shape.hidden * b if b >= F32 else 0
     return norms + mid_residual + attention_saved_bytes(shape, s) + mlp_saved_bytes(shape, s, moe)
 
 
