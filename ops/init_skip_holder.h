@@ -12,9 +12,11 @@
 
 #include "hsoffload/init_skip.h"
 
+#include <ATen/core/Dict.h>
 #include <torch/custom_class.h>
 
 #include <memory>
+#include <string>
 
 namespace hsoffload::ops {
 
@@ -26,7 +28,7 @@ struct InitSkipRecordHolder : torch::CustomClassHolder {
 c10::intrusive_ptr<InitSkipRecordHolder> make_init_skip_record();
 bool init_skip_record_is_flagged(const c10::intrusive_ptr<InitSkipRecordHolder>& self, const at::Tensor& t);
 void init_skip_record_note_dropped_write(const c10::intrusive_ptr<InitSkipRecordHolder>& self, int64_t nbytes);
-std::vector<int64_t> init_skip_record_stats(const c10::intrusive_ptr<InitSkipRecordHolder>& self);
+c10::Dict<std::string, int64_t> init_skip_record_stats(const c10::intrusive_ptr<InitSkipRecordHolder>& self);
 bool init_skip_record_skip(const c10::intrusive_ptr<InitSkipRecordHolder>& self);
 std::string init_skip_record_reason(const c10::intrusive_ptr<InitSkipRecordHolder>& self);
 void init_skip_record_clear(const c10::intrusive_ptr<InitSkipRecordHolder>& self);

@@ -2,6 +2,7 @@
 // Dict(str, int) (names from stats.h), and every user-facing argument check of these ops.
 #include "holders.h"
 #include "ops.h"
+#include "stats_dict.h"
 
 #include "hsoffload/host_pool.h"
 #include "hsoffload/scope.h"
@@ -23,16 +24,6 @@ struct HandleBox {
 };
 
 void delete_handle_box(void* box) { delete static_cast<HandleBox*>(box); }  // DataPtr's deleter owns the box
-
-// A stats struct as the ops return it: name -> value, in the order of its list in stats.h.
-template <class Stats>
-c10::Dict<std::string, int64_t> to_dict(const Stats& s) {
-  c10::Dict<std::string, int64_t> out;
-  for (const auto& [name, value] : fields(s)) {
-    out.insert(name, value);
-  }
-  return out;
-}
 
 }  // namespace
 

@@ -80,8 +80,7 @@ TORCH_LIBRARY(hsoffload, m) {
       .def(torch::init(&make_init_skip_record))
       .def("is_flagged", &init_skip_record_is_flagged)
       .def("note_dropped_write", &init_skip_record_note_dropped_write)
-      .def("stats", &init_skip_record_stats,
-           "flagged_tensors, flagged_storages, flagged_bytes, dropped_writes, dropped_bytes, live_storages")
+      .def("stats", &init_skip_record_stats)  // HSOFFLOAD_INIT_SKIP_STATS by name
       .def("skip", &init_skip_record_skip)
       .def("reason", &init_skip_record_reason)
       .def("clear", &init_skip_record_clear)

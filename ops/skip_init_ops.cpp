@@ -2,6 +2,7 @@
 // RAM-efficient loading). Every user-facing argument check of these lives here.
 #include "init_skip_holder.h"
 #include "ops.h"
+#include "stats_dict.h"
 
 #include "hsoffload/init_skip.h"
 
@@ -50,9 +51,8 @@ void init_skip_record_note_dropped_write(const c10::intrusive_ptr<InitSkipRecord
   self->record->note_dropped_write(nbytes);
 }
 
-std::vector<int64_t> init_skip_record_stats(const c10::intrusive_ptr<InitSkipRecordHolder>& self) {
-  const InitSkipStats s = self->record->stats();
-  return {s.flagged_tensors, s.flagged_storages, s.flagged_bytes, s.dropped_writes, s.dropped_bytes, s.live_storages};
+c10::Dict<std::string, int64_t> init_skip_record_stats(const c10::intrusive_ptr<InitSkipRecordHolder>& self) {
+  return to_dict(self->record->stats());
 }
 
 bool init_skip_record_skip(const c10::intrusive_ptr<InitSkipRecordHolder>& self) {

@@ -39,6 +39,7 @@ import torch
 from ._logging import log_once as _log_once
 from .classpatch import ClassPatch
 from .fsdp_modes import DropFlaggedWrites, LazyPlaceholders
+from .stats import InitSkipStats, from_engine
 from .targets import pretrained_model_class
 
 logger = logging.getLogger("hsoffload")
@@ -264,16 +265,16 @@ def _make_initialize_missing_keys(original: Callable[..., Any], patch: ClassPatc
                 "they hold whatever init wrote until the broadcast",
                 replaced,
             )
-        s = list(record.stats())
+        s = from_engine(InitSkipStats, record.stats())
         count, nbytes = getattr(_placeholders, "last", (0, 0))
         _last_report = InitSkipReport(
             skipped=True,
             reason=record.reason(),
             upstream_fix=fixed,
             flagged_tensors=int(sum(flags)),
-            flagged_bytes=s[2],
-            dropped_writes=s[3],
-            dropped_bytes=s[4],
+            flagged_bytes=s.flagged_bytes,
+            dropped_writes=s.dropped_writes,
+            dropped_bytes=s.dropped_bytes,
             skipped_modules=skipped_modules,
             replaced_tensors=replaced,
             lazy_placeholders=count,

@@ -83,6 +83,18 @@ class SpillStats:
     staging_bytes: int = 0  # host bytes of the I/O threads' staging chunks (2 x 8 MiB)
 
 
+@dataclasses.dataclass(frozen=True)
+class InitSkipStats:
+    """Counters of one FSDP RAM-efficient load's record (`InitSkipRecord.stats()`)."""
+
+    flagged_tensors: int = 0  # tensors whose init was skipped (a tensor listed twice counts twice)
+    flagged_storages: int = 0  # distinct storages recorded
+    flagged_bytes: int = 0  # their bytes
+    dropped_writes: int = 0  # writes into them that init made and hsoffload dropped
+    dropped_bytes: int = 0  # bytes those writes would have written
+    live_storages: int = dataclasses.field(default=0, metadata={"snapshot": True})  # recorded storages alive now
+
+
 def is_snapshot(field: "dataclasses.Field[Any]") -> bool:
     """A counter that reports a level now (bytes held), not a total that only grows: logged as is, never as a
     difference."""

@@ -22,6 +22,7 @@ import torch
 
 import hsoffload  # noqa: F401  (loads the op library)
 import hsoffload.fsdp as hf
+from hsoffload.stats import InitSkipStats, from_engine, names
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "fsdp_worker.py"
@@ -200,13 +201,14 @@ def test_op_checks_and_record() -> None:
     rec = R()
     a, b = torch.randn(4, 4), torch.randn(8)
     torch.ops.hsoffload.skip_init_non_rank0([a, b, a], 1, 1, True, True, rec)
-    flagged_tensors, storages, nbytes, dropped, _, live = rec.stats()
-    assert (flagged_tensors, storages, nbytes, dropped, live) == (3, 2, 96, 0, 2)
+    assert rec.stats() == {"flagged_tensors": 3, "flagged_storages": 2, "flagged_bytes": 96, "dropped_writes": 0,
+                           "dropped_bytes": 0, "live_storages": 2}
+    assert list(rec.stats()) == list(names(InitSkipStats))  # the engine's list, in order, is the Python record's
     assert rec.is_flagged(a.view(16)[3:]) and not rec.is_flagged(a.clone())
     del b  # a freed storage is no longer flagged (weak reference)
-    assert rec.stats()[5] == 1
+    assert from_engine(InitSkipStats, rec.stats()).live_storages == 1
     rec.clear()
-    assert not rec.is_flagged(a) and rec.stats() == [0] * 6
+    assert not rec.is_flagged(a) and set(rec.stats().values()) == {0}
 
 
 def test_opcheck() -> None:
@@ -253,7 +255,7 @@ def test_drop_mode_drops_only_flagged_writes() -> None:
     assert torch.equal(lin.weight, w0) and torch.equal(lin.bias, b0)
     assert torch.equal(buf, torch.full((3,), 7.0)) and torch.equal(other, torch.full((4,), 2.0))
     assert ret.data_ptr() == lin.weight.data_ptr()  # the in-place op still returns its input
-    assert rec.stats()[3] == 7  # dropped writes
+    assert rec.stats()["dropped_writes"] == 7
 
 
 # --------------------------------------------------------------------------- patch / unpatch

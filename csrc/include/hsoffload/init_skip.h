@@ -14,6 +14,8 @@
 // record guards its table and counters.
 #pragma once
 
+#include "hsoffload/stats.h"
+
 #include <c10/core/Storage.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/intrusive_ptr.h>
@@ -57,16 +59,6 @@ SkipDecision decide_skip_init(const RankFacts& facts);
 
 // One-line human description of a reason (for logs).
 const char* describe(SkipReason reason);
-
-// Counters of one record.
-struct InitSkipStats {
-  int64_t flagged_tensors = 0;  // tensors passed to `flag` while skipping (a tensor listed twice counts twice)
-  int64_t flagged_storages = 0; // distinct storages recorded
-  int64_t flagged_bytes = 0;    // bytes of the distinct storages recorded
-  int64_t dropped_writes = 0;   // writes into flagged storages that the caller dropped (`note_dropped_write`)
-  int64_t dropped_bytes = 0;    // bytes those writes would have written
-  int64_t live_storages = 0;    // recorded storages still alive (snapshot)
-};
 
 // The set of storages whose tensors must not be initialised, with counters.
 //

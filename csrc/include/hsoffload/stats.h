@@ -62,6 +62,15 @@ namespace hsoffload {
   X(host_bytes, "host bytes held for offload now (slabs, unpooled blocks, spill staging): pool_stats tells the same")
 
 // One spill store (SpillStore::stats()), shared by the scopes that spill to its directory.
+// One InitSkipRecord's counters (InitSkipRecord::stats(); FSDP RAM-efficient loading).
+#define HSOFFLOAD_INIT_SKIP_STATS(X)                                                                                \
+  X(flagged_tensors, "tensors passed to `flag` while skipping (a tensor listed twice counts twice)")                \
+  X(flagged_storages, "distinct storages recorded")                                                                \
+  X(flagged_bytes, "bytes of the distinct storages recorded")                                                      \
+  X(dropped_writes, "writes into flagged storages that the caller dropped (`note_dropped_write`)")                 \
+  X(dropped_bytes, "bytes those writes would have written")                                                        \
+  X(live_storages, "recorded storages still alive (a snapshot)")
+
 #define HSOFFLOAD_SPILL_STATS(X)                                                                                    \
   X(bytes_written, "bytes written to spill files")                                                                 \
   X(bytes_read, "bytes read back")                                                                                 \
@@ -95,10 +104,15 @@ struct SpillStats {
   HSOFFLOAD_SPILL_STATS(HSOFFLOAD_STATS_FIELD)
 };
 
+struct InitSkipStats {
+  HSOFFLOAD_INIT_SKIP_STATS(HSOFFLOAD_STATS_FIELD)
+};
+
 inline StatFields fields(const OffloadStats& s) { return {HSOFFLOAD_OFFLOAD_STATS(HSOFFLOAD_STATS_PAIR)}; }
 inline StatFields fields(const PoolStats& s) { return {HSOFFLOAD_POOL_STATS(HSOFFLOAD_STATS_PAIR)}; }
 inline StatFields fields(const BudgetStats& s) { return {HSOFFLOAD_BUDGET_STATS(HSOFFLOAD_STATS_PAIR)}; }
 inline StatFields fields(const SpillStats& s) { return {HSOFFLOAD_SPILL_STATS(HSOFFLOAD_STATS_PAIR)}; }
+inline StatFields fields(const InitSkipStats& s) { return {HSOFFLOAD_INIT_SKIP_STATS(HSOFFLOAD_STATS_PAIR)}; }
 
 #undef HSOFFLOAD_STATS_FIELD
 #undef HSOFFLOAD_STATS_PAIR
