@@ -76,19 +76,8 @@ def report_sac_without_context(layer: torch.nn.Module) -> None:
         f"sac-nocontext:{type(layer).__name__}",
         logging.WARNING,
         "hsoffload: policy='sac' but %s is checkpointed without a selective context_fn (torch.utils.checkpoint."
-        "create_selective_checkpoint_contexts in gradient_checkpointing_kwargs), so SAC keeps nothing and only its "
-        "hidden_states are offloaded",
-        type(layer).__name__,
-    )
-
-
-def report_sac_checkpoint_wrapper(layer: torch.nn.Module) -> None:
-    log_once(
-        "sac-checkpoint-wrapper",
-        logging.WARNING,
-        "hsoffload: policy='sac': %s is checkpointed by torch.distributed's CheckpointWrapper, whose "
-        "checkpoint function hsoffload does not wrap; only its hidden_states are offloaded. Use "
-        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'context_fn': ...}) instead.",
+        "create_selective_checkpoint_contexts, as context_fn in gradient_checkpointing_kwargs or to torch.distributed's "
+        "checkpoint_wrapper), so SAC keeps nothing and only its hidden_states are offloaded",
         type(layer).__name__,
     )
 

@@ -148,21 +148,19 @@ def _make_checkpoint_wrapper_forward(previous: Callable[..., Any], patch: ClassP
     @functools.wraps(previous)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         layer = getattr(self, "_checkpoint_wrapped_module", None)
+        if not patch.active or not isinstance(layer, layer_cls):
+            return previous(self, *args, **kwargs)
+        # As the layer's own checkpoint: SAC through the scope, *_CPU_OFFLOAD honoured (outside scopes: said once)
+        selective = _sac.wrap_checkpoint_fn(self, _sac.WRAPPER_ATTR, type(layer).__name__)
         scope = current_scope()
-        if (
-            not patch.active
-            or scope is None
-            or not isinstance(layer, layer_cls)
-            or not self.training
-            or not torch.is_grad_enabled()
-        ):
+        if scope is None or not self.training or not torch.is_grad_enabled():
             return previous(self, *args, **kwargs)
         policy = scope.config.policy
         visit = scope.layer_tracker.begin(layer, compiled=False, checkpointed=True)
         setattr(layer, _IN_CHECKPOINT_WRAPPER, True)
         try:
-            if policy == "sac":
-                diagnostics.report_sac_checkpoint_wrapper(layer)
+            if policy == "sac" and visit.offload and not selective:
+                diagnostics.report_sac_without_context(layer)
             mark = marks_layer_inputs(policy) and visit.offload
             args = _pass_hidden_states_first(layer, args, kwargs, mark)  # may move kwargs["hidden_states"] into args
             return previous(self, *args, **kwargs)

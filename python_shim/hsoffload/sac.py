@@ -2,7 +2,8 @@
 
 torch's `create_selective_checkpoint_contexts` returns two dispatch modes sharing one cache: the forward stores the
 outputs the user's SAC policy saves, the recompute reads them back. hsoffload wraps each decoder layer's checkpoint
-function (`wrap_checkpoint_fn`); inside a scope, each checkpoint call (`_ScopedCheckpoint`):
+function (`wrap_checkpoint_fn`; torch.distributed's CheckpointWrapper's too); inside a scope, each checkpoint call
+(`_ScopedCheckpoint`):
 
 - wraps the user's SAC policy (`_PolicyFn`): `CheckpointPolicy.MUST_CPU_OFFLOAD` / `PREFER_CPU_OFFLOAD` become a save
   for torch (torch's eager checkpoint would recompute them) and an offload for hsoffload; under policy "sac" every
@@ -444,31 +445,40 @@ def _is_version_wrapper(v: Any) -> bool:
 # ------------------------------------------------------------------------------------------------ layers
 
 
-# Layers whose checkpoint function wrap_checkpoint_fn replaced: layer -> (original, replacement); guarded by
-# _wrapped_lock, process-wide because the layers are; undone by undo().
+# Modules whose checkpoint function wrap_checkpoint_fn replaced: module -> (attribute, original, replacement);
+# guarded by _wrapped_lock, process-wide because the modules are; undone by undo().
 _wrapped_lock = threading.Lock()
-_wrapped_layers: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
+_wrapped_layers: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, Any, Any]]" = weakref.WeakKeyDictionary()
+
+# Where a module keeps the checkpoint function it calls: a transformers GradientCheckpointingLayer its
+# `_gradient_checkpointing_func`, torch.distributed's CheckpointWrapper its `checkpoint_fn`.
+LAYER_ATTR = "_gradient_checkpointing_func"
+WRAPPER_ATTR = "checkpoint_fn"
 
 
-def wrap_checkpoint_fn(layer: torch.nn.Module) -> bool:
-    """Make `layer._gradient_checkpointing_func` (a `functools.partial` of torch's checkpoint) call through
-    `_ScopedCheckpoint` (once; its keywords, `context_fn` included, stay as they are). Returns False when the
-    layer's checkpoint has no context_fn (full checkpointing: SAC keeps nothing)."""
-    func = getattr(layer, "_gradient_checkpointing_func", None)
+def wrap_checkpoint_fn(module: torch.nn.Module, attr: str = LAYER_ATTR, name: Optional[str] = None) -> bool:
+    """Make `module.<attr>` (a `functools.partial` of torch's checkpoint) call through `_ScopedCheckpoint` (once; its
+    keywords, `context_fn` included, stay as they are). Returns False when that checkpoint has no context_fn (full
+    checkpointing: SAC keeps nothing), or, for a CheckpointWrapper, when its function is not torch's checkpoint (a
+    user's `checkpoint_fn` may not take the arguments hsoffload adds)."""
+    func = getattr(module, attr, None)
     if not isinstance(func, functools.partial) or func.keywords.get("context_fn") is None:
         return False
-    if not isinstance(func.func, _ScopedCheckpoint):
-        scoped = _ScopedCheckpoint(func.func, _LayerMemory(), type(layer).__name__)
-        wrapped = functools.partial(scoped, *func.args, **func.keywords)
-        with _wrapped_lock:
-            _wrapped_layers[layer] = (func, wrapped)
-        layer._gradient_checkpointing_func = wrapped
+    if isinstance(func.func, _ScopedCheckpoint):
+        return True
+    if attr == WRAPPER_ATTR and func.func is not torch.utils.checkpoint.checkpoint:
+        return False
+    scoped = _ScopedCheckpoint(func.func, _LayerMemory(), name or type(module).__name__)
+    wrapped = functools.partial(scoped, *func.args, **func.keywords)
+    with _wrapped_lock:
+        _wrapped_layers[module] = (attr, func, wrapped)
+    setattr(module, attr, wrapped)
     return True
 
 
-def layer_memory(layer: torch.nn.Module) -> Optional[_LayerMemory]:
-    """The SAC entries `layer`'s recompute left unread (tests, diagnostics); None if its checkpoint is not wrapped."""
-    func = getattr(layer, "_gradient_checkpointing_func", None)
+def layer_memory(module: torch.nn.Module, attr: str = LAYER_ATTR) -> Optional[_LayerMemory]:
+    """The SAC entries `module`'s recompute left unread (tests, diagnostics); None if its checkpoint is not wrapped."""
+    func = getattr(module, attr, None)
     scoped = getattr(func, "func", None)
     return scoped.memory if isinstance(scoped, _ScopedCheckpoint) else None
 
@@ -477,9 +487,9 @@ def undo() -> int:
     """Put back every checkpoint function `wrap_checkpoint_fn` replaced (`hsoffload.unpatch()`). Returns how many."""
     undone = 0
     with _wrapped_lock:
-        for layer, (original, wrapped) in list(_wrapped_layers.items()):
-            if getattr(layer, "_gradient_checkpointing_func", None) is wrapped:
-                layer._gradient_checkpointing_func = original
+        for module, (attr, original, wrapped) in list(_wrapped_layers.items()):
+            if getattr(module, attr, None) is wrapped:
+                setattr(module, attr, original)
                 undone += 1
         _wrapped_layers.clear()
     return undone

@@ -327,6 +327,50 @@ def test_must_cpu_offload_outputs_are_offloaded_by_the_engine_and_nothing_else_m
     assert all(s.prefetch_hits > 0 for s in stats)
 
 
+def _wrap_layers_with_sac(model: torch.nn.Module, policy_fn: object) -> None:
+    """FSDP-style activation checkpointing: torch.distributed's CheckpointWrapper around each decoder layer, with a
+    selective context_fn (the layers' own gradient checkpointing stays off)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                context_fn=functools.partial(create_selective_checkpoint_contexts, policy_fn))
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, GradientCheckpointingLayer)
+    )
+    model.config.use_cache = False  # transformers does not know the layers are checkpointed: a cache would grow
+    model.train()
+
+
+@pytest.mark.parametrize("policy", ["hidden_states", "sac"])
+def test_checkpoint_wrapper_with_a_selective_context_is_handled_as_the_layers_own(policy):
+    """The same SAC, once through transformers' gradient checkpointing and once through CheckpointWrapper: the same
+    tensors move (MUST_CPU_OFFLOAD's mm outputs; under "sac" also what MUST_SAVE keeps), bitwise, no FutureWarning."""
+    moved: list[int] = []
+    layer_ckpt = H.tiny_model("llama")
+    _cpu_offload_checkpointing(layer_ckpt, {aten.mm.default}, {aten.bmm.default}, moved)
+    wrapped = H.tiny_model("llama")
+
+    def sac(ctx, op, *args, **kwargs):  # noqa: ANN001, ANN202
+        if op == aten.mm.default:
+            return CheckpointPolicy.MUST_CPU_OFFLOAD
+        return CheckpointPolicy.MUST_SAVE if op == aten.bmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    _wrap_layers_with_sac(wrapped, sac)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        via_layers = _parity(layer_ckpt, policy=policy)
+        via_wrapper = _parity(wrapped, policy=policy)
+    for a, b in zip(via_layers, via_wrapper):
+        assert (a.offloaded_tensors, a.offloaded_bytes, a.restored_tensors) == (
+            b.offloaded_tensors, b.offloaded_bytes, b.restored_tensors), (a, b)
+    assert via_wrapper[0].offloaded_tensors > 7 * H.LAYERS  # the mm outputs moved, not only the hidden states
+
+
 def test_cpu_offload_in_a_layer_the_budget_keeps_stays_on_the_device():
     model = H.tiny_model("llama")
     moved: list[int] = []
