@@ -15,31 +15,42 @@ std::shared_ptr<OffloadRecord> PackEntry::lock() const {
   return r && r->group == group ? r : nullptr;
 }
 
-bool RestoreState::note_unpack(int64_t& handle_round) {
-  if (handle_round != round) {
-    handle_round = round;
-    ++unpacked_this_round;
-  }
-  if (unpacked_this_round < live_handles) {
-    return false;
-  }
-  ++round;
-  unpacked_this_round = 0;
-  return true;
+void UnpackRound::add_handle() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++live_handles_;
 }
 
-c10::intrusive_ptr<c10::StorageImpl> RestoreState::drop_handle(int64_t handle_round) {
-  --live_handles;
-  if (handle_round == round) {
-    --unpacked_this_round;
+c10::intrusive_ptr<c10::StorageImpl> UnpackRound::unpacked(int64_t& handle_round,
+                                                           c10::intrusive_ptr<c10::StorageImpl> restored) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (handle_round != round_) {
+    handle_round = round_;
+    ++unpacked_;
   }
-  if (live_handles > 0 && unpacked_this_round < live_handles) {
+  if (unpacked_ < live_handles_) {
+    held_ = std::move(restored);  // (M22) later handles of this record reuse this restore instead of copying again
+    return {};
+  }
+  return end_if_done_locked();
+}
+
+c10::intrusive_ptr<c10::StorageImpl> UnpackRound::drop_handle(int64_t handle_round) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  --live_handles_;
+  if (handle_round == round_) {
+    --unpacked_;
+  }
+  return end_if_done_locked();
+}
+
+c10::intrusive_ptr<c10::StorageImpl> UnpackRound::end_if_done_locked() {
+  if (live_handles_ > 0 && unpacked_ < live_handles_) {
     return {};
   }
   // Every handle left has unpacked in this round (or none is left): it is over.
-  ++round;
-  unpacked_this_round = 0;
-  return std::move(held);
+  ++round_;
+  unpacked_ = 0;
+  return std::move(held_);
 }
 
 void RecordIndex::add(const std::shared_ptr<OffloadRecord>& record) {

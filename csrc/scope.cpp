@@ -359,10 +359,7 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
         return {};
       }
       handle->passthrough_ = at::Tensor();  // the record replaces the device tensor
-      {
-        std::lock_guard<std::mutex> round_lock(record->restore.round_mutex);
-        ++record->restore.live_handles;
-      }
+      record->restore.round.add_handle();
       handle->record_ = std::move(record);
       handle->dtype_ = x.scalar_type();
       handle->sizes_ = x.sizes().vec();
@@ -642,16 +639,9 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
       }
     }
   }
-  c10::intrusive_ptr<c10::StorageImpl> release;  // our reference to a held restore goes after round_lock does
-  {
-    std::lock_guard<std::mutex> round_lock(restore.round_mutex);
-    // (M22) Later handles of this record reuse this restore instead of copying the bytes again.
-    if (restore.note_unpack(handle.round_)) {
-      release = std::move(restore.held);
-    } else {
-      restore.held = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(dev.storage().unsafeGetStorageImpl());
-    }
-  }
+  // Held for this record's other handles until each has unpacked (UnpackRound); freed here once the round is over.
+  const auto ended = restore.round.unpacked(
+      handle.round_, c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(dev.storage().unsafeGetStorageImpl()));
   if (restore.h2d_done) {
     consume(dev, *restore.h2d_done, restore.alloc_stream);
   }
@@ -683,9 +673,7 @@ SavedHandle::~SavedHandle() {
   if (!record_) {
     return;
   }
-  c10::intrusive_ptr<c10::StorageImpl> release;  // freed after the lock is let go (destroyed after `lock`)
-  std::lock_guard<std::mutex> lock(record_->restore.round_mutex);  // never the scope's mutex: see RestoreState
-  release = record_->restore.drop_handle(round_);
+  record_->restore.round.drop_handle(round_);  // takes the round's mutex, never the scope's (UnpackRound)
 }
 
 at::Tensor SavedHandle::unpack() const {

@@ -3,9 +3,9 @@
 
 The rules live in csrc/transfer.cpp (tagged I1-I4 and Mn there), except M10 (host pool), M11 (prefetch order) and
 M18 (unpack waits for a spill read) and M19 (the pack's graph-capture guard, csrc/scope.cpp). M20: a spill write of
-a host copy waits for that copy (csrc/transfer.cpp). M21-M23 are memory rules of the record index (csrc/scope.cpp:
-what a copy spans, one restore per record and round, the prefetch group of a record saved by several layers); the
-emulated device's allocator counters catch them.
+a host copy waits for that copy (csrc/transfer.cpp). M21-M23 are memory rules of the records (csrc/scope.cpp and
+csrc/records.cpp: what a copy spans, one restore per record and round, the prefetch group of a record saved by
+several layers); the emulated device's allocator counters catch them.
 
 For every mutation below, a scratch copy of the sources gets that one line removed (or replaced), the op library is
 rebuilt from the copy, and tests/device/emu runs against it (HSOFFLOAD_LIBRARY points the loader at the mutant). A
@@ -92,8 +92,8 @@ MUTATIONS = [
     Mutation("M21", "pack: a view spanning most of its storage copies the whole storage (its siblings share it)",
              "csrc/scope.cpp", "return {0, storage_bytes};", "return span;"),
     Mutation("M22", "unpack: a record's one restore serves all its handles until each has unpacked",
-             "csrc/scope.cpp",
-             "restore.held = c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(dev.storage().unsafeGetStorageImpl());"),
+             "csrc/records.cpp",
+             "held_ = std::move(restored);  // (M22) later handles of this record reuse this restore instead of copying again"),
     Mutation("M23", "pack: a record saved again by a later layer moves to that layer's prefetch group",
              "csrc/scope.cpp", "records_.regroup(record, open_group_, next_seq_++, epoch_);  // (M23) saved again by a later layer"),
 ]

@@ -1,6 +1,6 @@
 // C++ unit tests of the record index (csrc/records.cpp) and prefetch scheduling (csrc/prefetch.cpp): dedup by
-// storage and span, weak entries, pruning, regrouping, and which records a restore prefetches. CPU only, no streams,
-// no copies.
+// storage and span, weak entries, pruning, regrouping, rounds of unpacks, and which records a restore prefetches.
+// CPU only, no streams, no copies.
 #include "hsoffload/prefetch.h"
 #include "hsoffload/records.h"
 
@@ -138,6 +138,32 @@ void test_regroup_moves_a_record_to_its_last_group() {
   EXPECT(index.size() == 4);  // stale entries go with pruning
 }
 
+void test_unpack_round_holds_the_restore_for_every_handle() {
+  using hsoffload::UnpackRound;
+  const auto storage_of_new = [] { return at::empty({64}, at::kByte).storage().getWeakStorageImpl().lock(); };
+  UnpackRound round;
+  round.add_handle();
+  round.add_handle();
+  int64_t a = -1, b = -1;
+  auto restored = storage_of_new();
+  const c10::StorageImpl* address = restored.get();
+  EXPECT(!round.unpacked(a, restored));           // b has not unpacked: the restore is held for it
+  EXPECT(restored.use_count() == 2);
+  EXPECT(!round.unpacked(a, restored));           // a second unpack of one handle does not end the round
+  auto freed = round.unpacked(b, restored);       // the last handle: the round ends, the held storage comes back
+  EXPECT(freed.get() == address && restored.use_count() == 2);
+  freed.reset();
+  EXPECT(restored.use_count() == 1);
+  // The next round (a retained graph's second backward): a handle that dies without unpacking ends it.
+  EXPECT(!round.unpacked(a, restored));
+  EXPECT(restored.use_count() == 2);
+  EXPECT(round.drop_handle(b).get() == address);
+  // One handle left: its next unpack ends a round of one at once, holding nothing.
+  EXPECT(round.unpacked(a, restored).get() == nullptr);
+  EXPECT(restored.use_count() == 1);
+  EXPECT(round.drop_handle(a).get() == nullptr);
+}
+
 }  // namespace
 
 int main() {
@@ -147,5 +173,6 @@ int main() {
   test_prefetch_order_and_depths();
   test_prefetch_rest_of_group();
   test_regroup_moves_a_record_to_its_last_group();
+  test_unpack_round_holds_the_restore_for_every_handle();
   EXPECT_DONE("test_records");
 }

@@ -8,9 +8,9 @@
 //
 // Thread-safety: RecordIndex has none of its own; its owner (OffloadScope) calls it under its mutex. A record's
 // `restore` state is guarded by `record.mutex` (the owning scope's mutex); its `copy` by the copy's own mutex (the
-// spill tier's I/O threads change it); the round of unpacks by `restore.round_mutex`; `seq`, `group` and `epoch` at
-// pack and at regroup (under the scope's mutex); the rest is written once, at pack. Lock order: scope -> copy ->
-// pool/budget, and scope -> round.
+// spill tier's I/O threads change it); the round of unpacks by its own (`restore.round`); `seq`, `group` and
+// `epoch` at pack and at regroup (under the scope's mutex); the rest is written once, at pack. Lock order: scope ->
+// copy -> pool/budget, and scope -> round.
 #pragma once
 
 #include "hsoffload/host_budget.h"
@@ -73,8 +73,35 @@ struct CopyLocation {
   bool in_host() const { return where.load() != Where::kFile; }
 };
 
-// The state of the restore in progress or last done. Guarded by the record's mutex, except the round of unpacks
-// (below: its own mutex).
+// One restore serves every handle of a record, as the one saved tensor would have without offload (the chunks of a
+// fused projection, a tensor every layer saves: their backward nodes run apart). A round is one pass of backward
+// over the record: it ends when every live handle has unpacked in it (a retained graph's next backward is the next
+// round). Until then the record holds the restored storage; a handle that dies without unpacking leaves the round.
+//
+// Thread-safety: its own mutex, taken last and never held while calling out -- a handle's destructor, run by
+// autograd or Python's garbage collector on any thread, takes it and not the scope's mutex. The storages these
+// methods return are freed by the caller, after the mutex is let go.
+class UnpackRound {
+ public:
+  // A handle now shares the record.
+  void add_handle();
+  // A handle unpacked `restored`. `handle_round` is the round of that handle's last unpack (-1: never), updated
+  // here. Returns the held storage to free when this unpack ended the round; else holds `restored` for the rest.
+  c10::intrusive_ptr<c10::StorageImpl> unpacked(int64_t& handle_round, c10::intrusive_ptr<c10::StorageImpl> restored);
+  // A handle (last unpacked in `handle_round`) is gone. Returns the held storage to free when that ended the round.
+  c10::intrusive_ptr<c10::StorageImpl> drop_handle(int64_t handle_round);
+
+ private:
+  c10::intrusive_ptr<c10::StorageImpl> end_if_done_locked();
+
+  std::mutex mutex_;
+  int64_t live_handles_ = 0;
+  int64_t round_ = 0;
+  int64_t unpacked_ = 0;  // live handles that have unpacked in this round
+  c10::intrusive_ptr<c10::StorageImpl> held_;
+};
+
+// The state of the restore in progress or last done. Guarded by the record's mutex, except `round` (its own).
 struct RestoreState {
   at::Tensor prefetched;  // device bytes of a restore started ahead of its unpack (until unpack takes them)
   int64_t pad = 0;        // where the span starts inside that block
@@ -83,22 +110,7 @@ struct RestoreState {
   std::optional<c10::Stream> alloc_stream;  // stream whose pool owns the restored block
   c10::weak_intrusive_ptr<c10::StorageImpl> restored{c10::intrusive_ptr<c10::StorageImpl>()};  // while held
   bool restored_once = false;  // an unpack restored it
-  // One restore serves every handle of the record, as the one saved tensor would have without offload (the chunks
-  // of a fused projection, a tensor every layer saves: their backward nodes run apart). A round is one pass of
-  // backward over the record: it ends when every live handle has unpacked in it (a retained graph's next backward
-  // is the next round). Until then the record keeps the restored storage (`held`); a handle that dies without
-  // unpacking leaves the round (SavedHandle's destructor). These four fields and SavedHandle::round_ are guarded by
-  // `round_mutex` alone, which is taken last and never held while calling out (a handle's destructor, run by
-  // autograd or Python's garbage collector on any thread, takes it and not the scope's mutex).
-  std::mutex round_mutex;
-  int64_t live_handles = 0;
-  int64_t round = 0;
-  int64_t unpacked_this_round = 0;
-  c10::intrusive_ptr<c10::StorageImpl> held;
-  // A handle of this record unpacked (first unpack of `handle_round` in this round); true when the round is over.
-  bool note_unpack(int64_t& handle_round);
-  // A handle (which last unpacked in `handle_round`) is gone. Returns the storage to free once the mutex is let go.
-  c10::intrusive_ptr<c10::StorageImpl> drop_handle(int64_t handle_round);
+  UnpackRound round;
 };
 
 // One host copy of a span of one storage. Shared by every handle whose tensor lies inside that span (tensors saved

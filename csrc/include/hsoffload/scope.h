@@ -76,7 +76,7 @@ class SavedHandle {
   // A handle that keeps `x` itself (no scope involved): what pack returns when
   // no offload scope applies.
   static std::shared_ptr<SavedHandle> passthrough(const at::Tensor& x);
-  // Leaves its record's round of unpacks (RestoreState::drop_handle).
+  // Leaves its record's round of unpacks (UnpackRound::drop_handle).
   ~SavedHandle();
   SavedHandle(const SavedHandle&) = delete;
   SavedHandle& operator=(const SavedHandle&) = delete;
@@ -95,7 +95,7 @@ class SavedHandle {
   int64_t offset_in_span_ = 0;  // elements from the start of the copied span
   bool conj_ = false;           // conjugate and negative views are bits on the tensor, restored with it
   bool neg_ = false;
-  // The record's round in which this handle last unpacked, or -1 (RestoreState::note_unpack; its round_mutex).
+  // The record's round in which this handle last unpacked, or -1 (UnpackRound::unpacked, under its mutex).
   mutable int64_t round_ = -1;
   // Autograd skips its version check once saved-tensor hooks are installed; we
   // keep the tensor's shared version counter (not the tensor) to check it.
