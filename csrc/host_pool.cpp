@@ -1,6 +1,7 @@
 // The host pool (host_pool.h): slabs of host memory, sub-allocated into blocks of granule-rounded extents.
 #include "hsoffload/host_pool.h"
 
+#include "hsoffload/events.h"
 #include "hsoffload/host_budget.h"
 
 #include <ATen/DeviceAccelerator.h>
@@ -320,7 +321,7 @@ void HostPool::give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c
   for (const auto& e : places) total += e.length;
   stats_.in_use_bytes -= total;
   stats_.cached_bytes += total;
-  if (last_use && !last_use->query()) {
+  if (last_use && !event_completed(*last_use)) {  // never throws: reached from destructors (events.h)
     pending_.push_back(Pending{std::move(places), std::move(last_use)});
     return;
   }
@@ -331,11 +332,13 @@ void HostPool::give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c
 }
 
 void HostPool::reap_pending_locked() {
-  auto done = std::remove_if(pending_.begin(), pending_.end(), [this](Pending& p) {
-    if (p.last_use && !p.last_use->query()) return false;
-    for (const auto& e : p.places) free_place_locked(e);
-    return true;
+  // Decide first, then free: the ranges of one returned block are freed exactly once, whatever a query says.
+  auto done = std::stable_partition(pending_.begin(), pending_.end(), [](const Pending& p) {
+    return p.last_use && !event_completed(*p.last_use);  // still in use: stays pending
   });
+  for (auto it = done; it != pending_.end(); ++it) {
+    for (const auto& e : it->places) free_place_locked(e);
+  }
   pending_.erase(done, pending_.end());
 }
 

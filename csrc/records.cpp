@@ -10,6 +10,32 @@ bool SourceSpan::covers(const c10::StorageImpl* s, int64_t b, int64_t e) const {
   return begin <= b && e <= end && storage.lock().get() == s;
 }
 
+bool SaveFootprint::contains(const SaveFootprint& other) const {
+  if (dense) {
+    return begin <= other.begin && other.end <= end;
+  }
+  return begin == other.begin && itemsize == other.itemsize && sizes == other.sizes && strides == other.strides;
+}
+
+void SharePolicy::first(SaveFootprint save, ProducerRef producer) {
+  saves_.assign(1, std::move(save));
+  producer_ = std::move(producer);
+}
+
+bool SharePolicy::admits(const SaveFootprint& save, const void* producer) const {
+  if (producer != nullptr && producer_.get() == producer) {
+    return true;  // a sibling view made by the same node as the first save
+  }
+  return std::any_of(saves_.begin(), saves_.end(), [&](const SaveFootprint& s) { return s.contains(save); });
+}
+
+void SharePolicy::add(SaveFootprint save) {
+  for (const SaveFootprint& s : saves_) {
+    if (s.contains(save)) return;  // nothing new referenced
+  }
+  saves_.push_back(std::move(save));
+}
+
 std::shared_ptr<OffloadRecord> PackEntry::lock() const {
   auto r = record.lock();
   return r && r->group == group ? r : nullptr;
@@ -43,6 +69,16 @@ c10::intrusive_ptr<c10::StorageImpl> UnpackRound::drop_handle(int64_t handle_rou
   return end_if_done_locked();
 }
 
+c10::intrusive_ptr<c10::StorageImpl> UnpackRound::end_round() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (unpacked_ == 0 && !held_) {
+    return {};  // nothing unpacked in this round: nothing to end
+  }
+  ++round_;
+  unpacked_ = 0;
+  return std::move(held_);
+}
+
 c10::intrusive_ptr<c10::StorageImpl> UnpackRound::end_if_done_locked() {
   if (live_handles_ > 0 && unpacked_ < live_handles_) {
     return {};
@@ -68,11 +104,12 @@ void RecordIndex::regroup(const std::shared_ptr<OffloadRecord>& record, int64_t 
   records_.push_back(PackEntry{record, group});  // its earlier entry goes stale (PackEntry::lock)
 }
 
-std::shared_ptr<OffloadRecord> RecordIndex::find(const c10::StorageImpl* storage, int64_t begin, int64_t end) const {
+std::shared_ptr<OffloadRecord> RecordIndex::find(const c10::StorageImpl* storage, int64_t begin, int64_t end,
+                                                 const std::function<bool(const OffloadRecord&)>& accept) const {
   auto range = by_storage_.equal_range(storage);
   for (auto it = range.first; it != range.second; ++it) {
     auto record = it->second.lock();
-    if (record && record->source.covers(storage, begin, end)) {
+    if (record && record->source.covers(storage, begin, end) && (!accept || accept(*record))) {
       return record;
     }
   }

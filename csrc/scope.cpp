@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <new>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -70,6 +71,19 @@ std::pair<int64_t, int64_t> copy_span(std::pair<int64_t, int64_t> span, int64_t 
     return {0, storage_bytes};
   }
   return span;
+}
+
+// The elements `x` references, in bytes of its storage (`span`: storage_span(x)).
+SaveFootprint footprint(const at::Tensor& x, std::pair<int64_t, int64_t> span) {
+  SaveFootprint save;
+  save.begin = span.first;
+  save.end = span.second;
+  save.itemsize = static_cast<int64_t>(x.element_size());
+  save.sizes = x.sizes().vec();
+  save.strides = x.strides().vec();
+  // Dense: as many elements as the span holds and no two at one address (contiguous up to a permutation of dims).
+  save.dense = x.numel() * save.itemsize == span.second - span.first && x.is_non_overlapping_and_dense();
+  return save;
 }
 
 void count(OffloadStats& local, int64_t OffloadStats::*field, int64_t n) {
@@ -161,10 +175,13 @@ void OffloadScope::exit() {
               tls_scopes.back()->id_, ", entered after it on this thread, is still active; exit scopes in the "
               "reverse order of entering them (innermost first)");
   tls_scopes.pop_back();
-  std::lock_guard<std::mutex> lock(*mutex_);
-  active_ = false;
-  marks_.clear();
-  prune_locked();
+  {
+    std::lock_guard<std::mutex> lock(*mutex_);
+    active_ = false;
+    marks_.clear();
+    prune_locked();
+  }
+  release_restores();  // at the latest here: nothing of a backward that ended early stays on the device
 }
 
 bool OffloadScope::active() const {
@@ -273,7 +290,11 @@ std::shared_ptr<SavedHandle> OffloadScope::pack(const at::Tensor& x, bool captur
       // The pool has no room for this copy: grow it here, holding no lock (a pinned allocation costs ~0.1-0.3 s per
       // GiB; other threads' packs and unpacks go on meanwhile), then decide again. hsoffload.reserve_host does this
       // before the first step, so packs normally never get here.
-      pool_->reserve(need.bytes, need.pinned);
+      if (!reserve_or_keep(need.bytes, need.pinned)) {
+        std::lock_guard<std::mutex> lock(*mutex_);
+        count(stats_, &OffloadStats::kept_on_device_tensors, 1);
+        return handle;  // the host has no memory to give: the tensor stays on the device, as for a full budget
+      }
       may.pool = false;
     } else {
       // Packs outran the disk: the budget is full of host copies being written out. Wait, holding no lock, until
@@ -333,13 +354,19 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
       // Start the copy at a 512-byte boundary of the storage: the restored
       // tensor then has the same data-pointer alignment as the original, so
       // kernels pick the same algorithms (bit-identical results).
+      const SaveFootprint save = footprint(x, span);
       span.first -= span.first % kSpanAlignment;
-      auto record = records_.find(x.storage().unsafeGetStorageImpl(), span.first, span.second);
-      const int64_t x_begin = x.storage_offset() * static_cast<int64_t>(x.element_size());
-      if (record && (record->source.version != version_of(x) ||
-                     (x_begin - record->source.begin) % static_cast<int64_t>(x.element_size()) != 0)) {
-        record = nullptr;  // same storage but new contents (or misaligned for this dtype): copy again
-      }
+      const int64_t itemsize = static_cast<int64_t>(x.element_size());
+      const ProducerRef producer = ProducerRef::of(x);
+      // A record of this storage may serve this save only with the same contents (version), aligned for this dtype,
+      // and only for bytes it may share (SharePolicy): else the save gets a copy of its own.
+      auto record = records_.find(x.storage().unsafeGetStorageImpl(), span.first, span.second,
+                                  [&](const OffloadRecord& r) {
+                                    if (r.source.version != version_of(x)) return false;
+                                    if ((save.begin - r.source.begin) % itemsize != 0) return false;
+                                    if (!r.sharing.admits(save, producer.get())) return false;  // (M24) no stale bytes
+                                    return true;
+                                  });
       // Only within this scope entry's forward: a record of another graph, or one backward has restored already (a
       // reentrant recompute saving it again), keeps its place.
       if (record && open_group_ >= 0 && record->group < open_group_ && record->epoch == epoch_ &&
@@ -347,9 +374,12 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
         records_.regroup(record, open_group_, next_seq_++, epoch_);  // (M23) saved again by a later layer
       }
       HostNeed need;
-      if (!record) {
+      if (record) {
+        record->sharing.add(save);
+      } else {
         const auto copied = copy_span(span, static_cast<int64_t>(x.storage().nbytes()));
         record = offload_locked(x, copied.first, copied.second, may, need);
+        if (record) record->sharing.first(save, producer);
       }
       if (need.any()) {
         return need;  // pack() grows the pool or waits for room holding no lock, then comes back
@@ -415,6 +445,20 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
   // Larger than the whole budget, or the budget is held by copies this scope cannot move (another scope's, or
   // failed writes): no room will come, so the device bytes go to the file themselves.
   const bool from_device = !in_budget;
+  HostBlock host;
+  if (!from_device) {
+    // Normally lent from room pack() made; a pool over its limit allocates a block of its own here, which can fail
+    // (pinned memory exhausted): then the tensor stays on the device, counted, never an error out of the hook.
+    try {
+      host = acquire_host_block(*pool_, bytes, x.device(), config_.pin_memory);
+    } catch (const c10::Error&) {
+      count(stats_, &OffloadStats::host_alloc_failures, 1);
+      return nullptr;
+    } catch (const std::bad_alloc&) {
+      count(stats_, &OffloadStats::host_alloc_failures, 1);
+      return nullptr;
+    }
+  }
   record->seq = next_seq_++;
   record->group = open_group_ >= 0 ? open_group_ : next_group_++;
   record->epoch = epoch_;
@@ -433,7 +477,7 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
     count(stats_, &OffloadStats::spilled_bytes, bytes);
     count(stats_, &OffloadStats::spilled_from_device_tensors, 1);
   } else {
-    copy_to_host_locked(*record, x);
+    copy_to_host_locked(*record, x, std::move(host));
   }
   maybe_prune_locked();
   records_.add(record);
@@ -446,10 +490,22 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
   return record;
 }
 
-void OffloadScope::copy_to_host_locked(OffloadRecord& record, const at::Tensor& x) {
+bool OffloadScope::reserve_or_keep(int64_t bytes, bool pinned) {
+  try {
+    pool_->reserve(bytes, pinned);
+    return true;
+  } catch (const c10::Error&) {
+  } catch (const std::bad_alloc&) {
+  }
+  std::lock_guard<std::mutex> lock(*mutex_);
+  count(stats_, &OffloadStats::host_alloc_failures, 1);
+  return false;
+}
+
+void OffloadScope::copy_to_host_locked(OffloadRecord& record, const at::Tensor& x, HostBlock host) {
   RECORD_USER_SCOPE("hsoffload::copy_to_host");
   CopyLocation& copy = *record.copy;  // not shared yet: no lock needed
-  copy.host = acquire_host_block(*pool_, record.bytes(), x.device(), config_.pin_memory);
+  copy.host = std::move(host);
   const at::Tensor src = byte_view(x.storage(), x.device(), record.source.begin, record.source.end);
   copy.d2h_done = copy_to_host(src, copy.host, streams_);
 }
@@ -592,6 +648,80 @@ void OffloadScope::copy_to_device_locked(OffloadRecord& record) {
   restore.h2d_done = std::move(order.done);
 }
 
+void OffloadScope::restore_now_locked(OffloadRecord& record) {
+  try {
+    copy_to_device_locked(record);
+    return;
+  } catch (const c10::OutOfMemoryError&) {
+    // Blocks prefetched ahead of their unpack may hold the room this restore needs: give them back and try once
+    // more (they are copied again when their unpack comes). With none held, the device is really full.
+    if (drop_prefetched_locked() == 0) throw;
+  }
+  copy_to_device_locked(record);
+}
+
+int64_t OffloadScope::drop_prefetched_locked() {
+  int64_t dropped = 0;
+  for (const auto& entry : records_.in_pack_order()) {
+    auto record = entry.lock();
+    if (record && record->restore.prefetched.defined()) {
+      // A spill read still copying into the block holds the block itself until it is done (spill.h).
+      record->restore.prefetched = at::Tensor();
+      record->restore.spill_read = nullptr;
+      record->restore.h2d_done = nullptr;
+      ++dropped;
+    }
+  }
+  count(stats_, &OffloadStats::prefetch_dropped, dropped);
+  return dropped;
+}
+
+void OffloadScope::prefetch_locked(const OffloadRecord& record) {
+  if ((config_.prefetch_depth == 0 && config_.spill_prefetch_depth == 0) || prefetch_paused_) {
+    return;
+  }
+  RECORD_USER_SCOPE("hsoffload::prefetch");
+  // Without a spill store there are no spilled records to prefetch.
+  const PrefetchDepths depths{config_.prefetch_depth, spill_ ? config_.spill_prefetch_depth : 0};
+  for (const auto& next : records_to_prefetch(records_, record, depths)) {
+    try {
+      copy_to_device_locked(*next);  // allocates first: an allocation that fails leaves `next` as it was
+    } catch (const c10::OutOfMemoryError&) {
+      // A prefetch is an optimisation: the step must not fail for it. Give back every block prefetched ahead and
+      // restore on demand for the rest of this pass of backward (until release_restores), so from here the device
+      // holds what prefetch_depth 0 would. Counted, and logged once by the Python shim.
+      count(stats_, &OffloadStats::prefetch_oom, 1);
+      drop_prefetched_locked();
+      prefetch_paused_ = true;
+      break;
+    }
+  }
+}
+
+void OffloadScope::release_restores() {
+  std::vector<c10::intrusive_ptr<c10::StorageImpl>> held;  // freed after the lock is let go
+  {
+    std::lock_guard<std::mutex> lock(*mutex_);
+    for (const auto& entry : records_.in_pack_order()) {
+      auto record = entry.lock();
+      if (!record) continue;
+      RestoreState& restore = record->restore;
+      if (restore.prefetched.defined()) {
+        restore.prefetched = at::Tensor();
+        restore.spill_read = nullptr;
+        restore.h2d_done = nullptr;
+        count(stats_, &OffloadStats::released_restores, 1);
+      }
+      if (auto storage = restore.round.end_round()) {
+        held.push_back(std::move(storage));
+        count(stats_, &OffloadStats::released_restores, 1);
+      }
+      restore.restored_once = false;  // the next backward over a retained graph is a new pass: same-group prefetch
+    }
+    prefetch_paused_ = false;  // a new pass tries prefetching again
+  }
+}
+
 at::Tensor OffloadScope::restore(const SavedHandle& handle) {
   RECORD_USER_SCOPE("hsoffload::unpack");
   OffloadRecord& record = *handle.record_;
@@ -601,43 +731,55 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
               record.source.device, "; restoring it would bake a host address into the graph. Capture both the "
               "forward that saves it and its backward (tensors packed during a capture stay on the device), or "
               "run this backward outside the capture.");
-  std::lock_guard<std::mutex> lock(*record.mutex);
+  std::unique_lock<std::mutex> lock(*record.mutex);
   at::Tensor dev;
+  std::shared_ptr<SpillRead> read;  // a spill read this unpack waits for, holding no lock
   if (auto alive = restore.restored.lock()) {
-    // Restored earlier and still held (a second unpack of a shared storage).
+    // Restored earlier and still held (a second unpack of a shared storage), perhaps still being read.
     dev = byte_view(c10::Storage(std::move(alive)), record.source.device, restore.pad, restore.pad + record.bytes());
+    read = restore.reading;
   } else {
     const bool hit = restore.prefetched.defined();
     const auto t0 = std::chrono::steady_clock::now();
     if (!hit) {
-      copy_to_device_locked(record);
+      restore_now_locked(record);
     }
     dev = std::move(restore.prefetched);
     restore.prefetched = at::Tensor();
-    if (restore.spill_read) {
-      // Raises (naming spill_dir) if the write or the read failed; nothing of this restore is kept then.
-      const auto w0 = std::chrono::steady_clock::now();
-      const auto read = std::move(restore.spill_read);
-      {
-        RECORD_USER_SCOPE("hsoffload::wait_spill_read");
-        restore.h2d_done = read->wait();
-      }
-      count(stats_, &OffloadStats::spill_read_wait_ns,
-            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - w0).count());
-    }
+    read = std::move(restore.spill_read);
+    restore.reading = read;
     restore.restored = dev.storage().getWeakStorageImpl();
     restore.restored_once = true;
     count(stats_, hit ? &OffloadStats::prefetch_hits : &OffloadStats::wait_ns,
           hit ? 1 : std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
     count(stats_, &OffloadStats::restored_bytes, record.bytes());
-    if (config_.prefetch_depth > 0 || config_.spill_prefetch_depth > 0) {
-      RECORD_USER_SCOPE("hsoffload::prefetch");
-      // Without a spill store there are no spilled records to prefetch.
-      const PrefetchDepths depths{config_.prefetch_depth, spill_ ? config_.spill_prefetch_depth : 0};
-      for (const auto& next : records_to_prefetch(records_, record, depths)) {
-        copy_to_device_locked(*next);
+    // Queued before this unpack waits for its own read: a miss must not serialise the reads behind it.
+    prefetch_locked(record);
+  }
+  if (read) {
+    // Raises (naming spill_dir) if the write or the read failed; nothing of this restore is kept then. Waits holding
+    // no lock: other unpacks, prefetches and packs go on meanwhile.
+    lock.unlock();
+    const auto w0 = std::chrono::steady_clock::now();
+    std::shared_ptr<c10::Event> h2d_done;
+    try {
+      RECORD_USER_SCOPE("hsoffload::wait_spill_read");
+      h2d_done = read->wait();  // (M18) the restored bytes are complete before anyone reads them
+    } catch (...) {
+      lock.lock();
+      if (restore.reading == read) {
+        restore.reading = nullptr;
+        restore.restored.reset();
       }
+      throw;
     }
+    lock.lock();
+    if (restore.reading == read) {
+      restore.reading = nullptr;
+      restore.h2d_done = std::move(h2d_done);
+    }
+    count(stats_, &OffloadStats::spill_read_wait_ns,
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - w0).count());
   }
   // Held for this record's other handles until each has unpacked (UnpackRound); freed here once the round is over.
   const auto ended = restore.round.unpacked(

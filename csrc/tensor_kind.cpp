@@ -2,6 +2,10 @@
 #include "hsoffload/tensor_kind.h"
 
 #include <c10/core/DispatchKey.h>
+#include <torch/csrc/autograd/function.h>  // the node type, complete, to hold a weak reference to one
+
+#include <memory>
+#include <type_traits>
 
 namespace hsoffload {
 
@@ -26,6 +30,33 @@ bool has_plain_storage(const at::Tensor& t) {
 uint32_t version_of(const at::Tensor& x) {
   const auto& vc = x.unsafeGetTensorImpl()->version_counter();
   return vc.enabled() ? vc.current_version() : 0;
+}
+
+namespace {
+
+// torch holds autograd nodes by intrusive_ptr (>= 2.12) or shared_ptr (older): a weak reference of the same kind.
+template <class Node>
+c10::weak_intrusive_ptr<Node> weak_of(const c10::intrusive_ptr<Node>& node) {
+  return c10::weak_intrusive_ptr<Node>(node);
+}
+template <class Node>
+std::weak_ptr<Node> weak_of(const std::shared_ptr<Node>& node) {
+  return node;
+}
+
+}  // namespace
+
+ProducerRef ProducerRef::of(const at::Tensor& x) {
+  ProducerRef ref;
+  if (!x.defined() || !x.requires_grad()) {
+    return ref;
+  }
+  const auto& node = x.grad_fn();
+  if (!node) {
+    return ref;
+  }
+  ref.lock_ = [weak = weak_of(node)]() -> const void* { return static_cast<const void*>(weak.lock().get()); };
+  return ref;
 }
 
 }  // namespace hsoffload

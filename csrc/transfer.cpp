@@ -2,12 +2,16 @@
 // recordDataPtrOnStream. Each rule carries its invariant (docs/design.md, I1-I4) and mutation-check id (Mn).
 #include "hsoffload/transfer.h"
 
+#include "hsoffload/events.h"
+
 #include <ATen/ops/empty.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
+#include <array>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 
@@ -44,20 +48,43 @@ bool stream_capturing(c10::Device device) {
   return ask_capturing(impl, impl.getStream(device));
 }
 
-c10::Stream SideStreams::for_copy(c10::Device device, Direction direction, c10::Stream compute) {
-  if (!enabled_) {
-    return compute;
-  }
+namespace {
+
+// The process's side streams: one pair per device, taken from torch's stream pools once per process. Global because
+// a pair per scope would take new streams from torch's shared pools every step (those pools also serve
+// torch.cuda.Stream(), DeepSpeed's and users' streams, round-robin, so large copies would queue behind unrelated
+// work); guarded by its own mutex, never freed (streams live as long as the process anyway).
+struct ProcessStreams {
+  std::mutex mutex;
+  std::vector<std::pair<c10::Device, std::array<c10::Stream, 2>>> pairs;  // [kToHost, kToDevice]
+};
+ProcessStreams& process_streams() {
+  static ProcessStreams* streams = new ProcessStreams();  // intentionally leaked: used until the process ends
+  return *streams;
+}
+
+}  // namespace
+
+c10::Stream side_stream(c10::Device device, Direction direction) {
   const size_t which = direction == Direction::kToHost ? 0 : 1;
-  for (const auto& entry : streams_) {
+  ProcessStreams& streams = process_streams();
+  std::lock_guard<std::mutex> lock(streams.mutex);
+  for (const auto& entry : streams.pairs) {
     if (entry.first == device) {
       return entry.second[which];
     }
   }
   c10::impl::VirtualGuardImpl impl(device.type());
-  streams_.emplace_back(device, std::array<c10::Stream, 2>{impl.getStreamFromGlobalPool(device, false),
-                                                          impl.getStreamFromGlobalPool(device, false)});
-  return streams_.back().second[which];
+  // Copies to host at normal priority (they overlap forward compute); restores at high priority: backward waits for
+  // them, so they go ahead of queued low-priority work.
+  streams.pairs.emplace_back(device, std::array<c10::Stream, 2>{
+                                         impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false),
+                                         impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true)});
+  return streams.pairs.back().second[which];
+}
+
+c10::Stream SideStreams::for_copy(c10::Device device, Direction direction, c10::Stream compute) {
+  return enabled_ ? side_stream(device, direction) : compute;
 }
 
 at::Tensor byte_view(const c10::Storage& storage, c10::Device device, int64_t begin, int64_t end) {
@@ -207,7 +234,7 @@ SpillOrder spill_read_order(const at::Tensor& dst, SideStreams& streams) {
 }
 
 void wait_host_copy(const c10::Event* d2h_done) {
-  if (d2h_done) d2h_done->synchronize();  // I2 (M20): the host block holds the bytes before the file write reads it
+  if (d2h_done) wait_event(*d2h_done);  // I2 (M20): the host block holds the bytes before the file write reads it
 }
 
 void stage_to_host(const at::Tensor& staging, const at::Tensor& src, const std::optional<c10::Stream>& stream,
@@ -222,7 +249,7 @@ void stage_to_host(const at::Tensor& staging, const at::Tensor& src, const std::
   staging.copy_(src, /*non_blocking=*/true);
   c10::Event copied(src.device().type());
   copied.record(*stream);
-  copied.synchronize();  // I2 (M15): this I/O thread's wait before pwrite, not the compute stream's (I4)
+  wait_event(copied);  // I2 (M15): this I/O thread's wait before pwrite, not the compute stream's (I4)
 }
 
 std::shared_ptr<c10::Event> stage_to_device(const at::Tensor& dst, const at::Tensor& staging,
@@ -237,7 +264,7 @@ std::shared_ptr<c10::Event> stage_to_device(const at::Tensor& dst, const at::Ten
   dst.copy_(staging, /*non_blocking=*/true);
   auto done = std::make_shared<c10::Event>(dst.device().type());
   done->record(*stream);
-  done->synchronize();  // I2 (M17): the staging chunk is reused by the next transfer only after this copy
+  wait_event(*done);  // I2 (M17): the staging chunk is reused by the next transfer only after this copy
   return done;
 }
 

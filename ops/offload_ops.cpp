@@ -6,6 +6,7 @@
 
 #include "hsoffload/host_pool.h"
 #include "hsoffload/scope.h"
+#include "hsoffload/transfer.h"
 
 #include <ATen/core/Dict.h>
 #include <c10/core/Storage.h>
@@ -145,6 +146,13 @@ void set_pool_limit(int64_t max_bytes) {
 }
 
 bool engine_detects_capture() { return hsoffload::engine_detects_capture(); }
+
+std::vector<int64_t> side_streams(c10::Device device) {
+  TORCH_CHECK_VALUE(!device.is_cpu(), "side_streams: device must be an accelerator, got ", device,
+                    " (CPU copies run on the calling thread, without streams)");
+  return {static_cast<int64_t>(hsoffload::side_stream(device, hsoffload::Direction::kToHost).id()),
+          static_cast<int64_t>(hsoffload::side_stream(device, hsoffload::Direction::kToDevice).id())};
+}
 
 int64_t pool_limit() { return global_host_pool()->limit(); }
 

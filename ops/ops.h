@@ -36,6 +36,7 @@ c10::Dict<std::string, int64_t> pool_stats();
 void set_pool_limit(int64_t max_bytes);
 int64_t pool_limit();
 bool engine_detects_capture();
+std::vector<int64_t> side_streams(c10::Device device);
 int64_t reserve_host(int64_t bytes, bool pinned);
 void empty_pool();
 

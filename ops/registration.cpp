@@ -27,6 +27,9 @@ TORCH_LIBRARY(hsoffload, m) {
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x) { return is_marked(self, x); })
       .def("begin_group", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->begin_group(); })
       .def("end_group", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->end_group(); })
+      // Gives back restores held for unpacks that may never come (a backward graph task that ended early).
+      .def("release_restores",
+           [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->release_restores(); })
       // Note on the stats methods: each returns Dict(str, int), its keys the struct's X-macro list in
       // hsoffload/stats.h (one list per struct, defined once); Python builds its dataclasses from those names.
       // This scope's counters (HSOFFLOAD_OFFLOAD_STATS).
@@ -51,7 +54,10 @@ TORCH_LIBRARY(hsoffload, m) {
       .def_static("budget_stats", &budget_stats)
       // True if the engine tells graph capture itself (torch >= 2.13's device guard); false: the caller passes
       // offload_pack's `capturing` flag.
-      .def_static("engine_detects_capture", &engine_detects_capture);
+      .def_static("engine_detects_capture", &engine_detects_capture)
+      // The process's side streams on `device` (ids of the device->host and host->device streams): one pair per
+      // device per process, the same for every scope (docs/design.md, "Stream ownership").
+      .def_static("side_streams", &side_streams);
 
   // Returns x itself; marks x for offload when autograd saves it while an
   // offload scope is active on this thread (no-op without one).

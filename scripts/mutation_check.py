@@ -5,7 +5,9 @@ The rules live in csrc/transfer.cpp (tagged I1-I4 and Mn there), except M10 (hos
 M18 (unpack waits for a spill read) and M19 (the pack's graph-capture guard, csrc/scope.cpp). M20: a spill write of
 a host copy waits for that copy (csrc/transfer.cpp). M21-M23 are memory rules of the records (csrc/scope.cpp and
 csrc/records.cpp: what a copy spans, one restore per record and round, the prefetch group of a record saved by
-several layers); the emulated device's allocator counters catch them.
+several layers); the emulated device's allocator counters catch them. M24 (csrc/scope.cpp): a save shares another
+record's copy only for bytes an earlier save referenced, or as a sibling view made by the same node; a stale-bytes
+test catches it.
 
 For every mutation below, a scratch copy of the sources gets that one line removed (or replaced), the op library is
 rebuilt from the copy, and tests/device/emu runs against it (HSOFFLOAD_LIBRARY points the loader at the mutant). A
@@ -62,7 +64,7 @@ MUTATIONS = [
     Mutation("M9", "unpack: a consumer on another stream is known to the allocator", "csrc/transfer.cpp",
              "impl.recordDataPtrOnStream(dev.storage().data_ptr(), consumer);  // I1 (M9): a foreign consumer's use"),
     Mutation("M10", "pool: returned extents are lent again only after their last use completed", "csrc/host_pool.cpp",
-             "if (last_use && !last_use->query()) {", "if (false) {"),
+             "if (last_use && !event_completed(*last_use)) {  // never throws: reached from destructors (events.h)", "if (false) {"),
     Mutation("M11", "prefetch runs in reverse pack order", "csrc/prefetch.cpp",
              "for (auto it = records.rbegin(); it != records.rend() && more(); ++it) {",
              "for (auto it = records.begin(); it != records.end() && more(); ++it) {"),
@@ -75,20 +77,20 @@ MUTATIONS = [
     Mutation("M14", "spill write: the copy stream waits for the producer (e_prod) before the I/O thread's copy",
              "csrc/transfer.cpp", "if (produced) produced->block(*stream);  // I1 (M14): src is complete on its stream"),
     Mutation("M15", "spill write: the I/O thread waits for its device->staging copy before pwrite", "csrc/transfer.cpp",
-             "copied.synchronize();  // I2 (M15): this I/O thread's wait before pwrite, not the compute stream's (I4)"),
+             "wait_event(copied);  // I2 (M15): this I/O thread's wait before pwrite, not the compute stream's (I4)"),
     Mutation("M16", "spill read: the copy stream waits for the allocation point (e_alloc)", "csrc/transfer.cpp",
              "if (allocated) allocated->block(*stream);  // I1 (M16): dst's block is ours from this point"),
     Mutation("M17", "spill read: staging is reused only after its staging->device copy completed", "csrc/transfer.cpp",
-             "done->synchronize();  // I2 (M17): the staging chunk is reused by the next transfer only after this copy"),
+             "wait_event(*done);  // I2 (M17): the staging chunk is reused by the next transfer only after this copy"),
     Mutation("M18", "unpack waits for the spill read to finish", "csrc/scope.cpp",
-             "restore.h2d_done = read->wait();", "restore.h2d_done = nullptr;"),
+             "h2d_done = read->wait();  // (M18) the restored bytes are complete before anyone reads them", "h2d_done = nullptr;"),
     Mutation("M19", "pack: no copy, event, side stream or pinned allocation while the current stream captures",
              "csrc/scope.cpp",
              "if (device_ok && (capturing || stream_capturing(x.device()))) {  // (M19) no transfer while capturing",
              "if (false) {"),
     Mutation("M20", "spill from host: the I/O thread reads a host copy only after its device->host copy completed",
              "csrc/transfer.cpp",
-             "if (d2h_done) d2h_done->synchronize();  // I2 (M20): the host block holds the bytes before the file write reads it"),
+             "if (d2h_done) wait_event(*d2h_done);  // I2 (M20): the host block holds the bytes before the file write reads it"),
     Mutation("M21", "pack: a view spanning most of its storage copies the whole storage (its siblings share it)",
              "csrc/scope.cpp", "return {0, storage_bytes};", "return span;"),
     Mutation("M22", "unpack: a record's one restore serves all its handles until each has unpacked",
@@ -96,6 +98,9 @@ MUTATIONS = [
              "held_ = std::move(restored);  // (M22) later handles of this record reuse this restore instead of copying again"),
     Mutation("M23", "pack: a record saved again by a later layer moves to that layer's prefetch group",
              "csrc/scope.cpp", "records_.regroup(record, open_group_, next_seq_++, epoch_);  // (M23) saved again by a later layer"),
+    Mutation("M24", "pack: a save shares a record's copy only for bytes an earlier save referenced, or as a sibling "
+             "view of the same node (no stale bytes)",
+             "csrc/scope.cpp", "if (!r.sharing.admits(save, producer.get())) return false;  // (M24) no stale bytes"),
 ]
 
 _SOURCES = ("CMakeLists.txt", "csrc", "ops", "tests/device/emu")

@@ -22,6 +22,7 @@ from . import capture, current
 from ._logging import log_once
 from .config import OffloadConfig
 from .current import current_scope
+from .graph_tasks import GraphTaskWatch
 from .host import apply_host_budget, budget_stats, reserve_host
 from .layers import LayerStats, LayerTracker, reset_head_state_on_forward
 from .policy import Selector, policy_name, track_module_names
@@ -129,7 +130,11 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 return pack_op(x, scope_id)
             return _pack_subclass(engine, x, scope_id)
 
+        watch = GraphTaskWatch(engine.release_restores)
+        note_unpack = watch.note_unpack
+
         def unpack_hook(packed: Any) -> torch.Tensor:
+            note_unpack()  # the engine gives back what it holds for this backward when its graph task ends
             return unpack_op(packed) if type(packed) is torch.Tensor else packed.unpack()
 
         # Never compiled: autograd calls the hooks from eager code that may run inside a torch.compile'd model (a
@@ -218,6 +223,14 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 "hsoffload: a callable policy without the model gets only decoder-layer names (or ''); pass the model "
                 "(hsoffload.offload_hidden_states(model, policy=...) or scope.bind_model(model)) for every module's "
                 "qualified name",
+            )
+        if not self.config.pin_memory and _accelerator_available():
+            log_once(
+                "pin-memory-off",
+                logging.WARNING,
+                "hsoffload: pin_memory=False with an accelerator: copies to pageable host memory are synchronous, so "
+                "every pack and unpack waits for the device (no overlap with compute). Set pin_memory=True (the "
+                "default) unless the system cannot pin memory.",
             )
         if self.config.max_pool_bytes is not None:
             # The host pool is process-wide: the bound applies from this entry on, to every scope.
@@ -316,6 +329,29 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 stats.spill_write_errors,
                 self.config.spill_dir,
             )
+        if stats.host_alloc_failures > 0:
+            log_once(
+                "host-alloc-failures",
+                logging.WARNING,
+                "hsoffload: %d host (pinned) allocations failed, so those marked tensors stayed on the device "
+                "(counted in kept_on_device_tensors). The host budget is %d bytes (max_host_bytes); the system could "
+                "not pin that much: lower max_host_bytes (or HSOFFLOAD_MAX_HOST_BYTES), call hsoffload.reserve_host() "
+                "before training so the pool pins its memory up front, or free host memory. See "
+                "scope.stats.host_alloc_failures.",
+                stats.host_alloc_failures,
+                budget_stats().limit,
+            )
+        if stats.prefetch_oom > 0 or stats.prefetch_dropped > 0:
+            log_once(
+                "prefetch-oom",
+                logging.INFO,
+                "hsoffload: the device had no room for %d prefetches (and %d prefetched blocks were given back for a "
+                "restore that needed them); those tensors were copied back on demand, the step went on. A smaller "
+                "prefetch_depth (now %d) trades that retry for less device memory. See scope.stats.prefetch_oom.",
+                stats.prefetch_oom,
+                stats.prefetch_dropped,
+                self.config.prefetch_depth,
+            )
         if stats.skipped_marked_tensors > 0:
             log_once(
                 "skipped-marked",
@@ -369,6 +405,11 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
 
 _logged_unscoped_mark = threading.Event()  # "log once" flags, process-wide by intent
 _logged_parameter_mark = threading.Event()
+
+
+def _accelerator_available() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    return bool(accelerator is not None and accelerator.is_available())
 
 
 def mark_hidden_state(x: torch.Tensor) -> torch.Tensor:

@@ -524,3 +524,81 @@ def test_exiting_scopes_out_of_order_is_refused_naming_both(cpu_scope_kwargs):
         a.exit()
     b.exit()
     a.exit()
+
+
+def _sibling_halves_grads(scope_kwargs: dict | None, split: str, rewrite: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The two halves of one fused output (gate/up), each saved; between the saves, `rewrite` writes the second
+    half through `.data` (no version bump: a kernel writing into a preallocated buffer)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(32, 96, requires_grad=True)
+
+    def run() -> None:
+        base = x @ w
+        a, b = base.chunk(2, dim=1) if split == "chunk" else (base[:, :48], base[:, 48:])
+        ya = mark(a).sin()  # a saved: its record copies the whole storage (a spans >= 3/4 of it)
+        if rewrite:
+            b.data.mul_(2.0)
+        yb = mark(b).cos()  # b saved
+        (ya.sum() + yb.sum()).backward()
+
+    offloaded = 0
+    if scope_kwargs is None:
+        run()
+    else:
+        with OffloadScope(**scope_kwargs) as scope:
+            run()
+        offloaded = scope.stats.offloaded_tensors
+    return x.grad, w.grad, offloaded
+
+
+def test_a_sibling_rewritten_without_a_version_bump_is_not_restored_stale(cpu_scope_kwargs):
+    """Copy sharing (M24): b's bytes were copied with a's whole storage, then rewritten through `.data` before b was
+    saved. b must restore what autograd reads (its new bytes): two separate slices share no copy."""
+    ref_x, ref_w, _ = _sibling_halves_grads(None, "slices", rewrite=True)
+    got_x, got_w, offloaded = _sibling_halves_grads(cpu_scope_kwargs, "slices", rewrite=True)
+    assert offloaded == 2  # b got its own copy
+    assert torch.equal(got_x, ref_x) and torch.equal(got_w, ref_w)
+
+
+@pytest.mark.parametrize("split", ["chunk", "slices"])
+def test_sibling_views_share_a_copy_only_when_made_by_one_node(split, cpu_scope_kwargs):
+    """The chunks of one split node (a fused gate/up) share one copy of the storage; two separate slicing ops do
+    not (a write between their saves could be invisible); both bitwise equal to no offload."""
+    ref_x, ref_w, _ = _sibling_halves_grads(None, split, rewrite=False)
+    got_x, got_w, offloaded = _sibling_halves_grads(cpu_scope_kwargs, split, rewrite=False)
+    assert offloaded == (1 if split == "chunk" else 2)
+    assert torch.equal(got_x, ref_x) and torch.equal(got_w, ref_w)
+
+
+class _SaveTwo(torch.autograd.Function):
+    """Saves a then b; backward reads them in that order (as a layer's recompute reads its group)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        a, b = ctx.saved_tensors
+        return grad * b, grad * a
+
+
+def test_a_second_backward_over_a_retained_graph_prefetches_like_the_first(cpu_scope_kwargs):
+    """Restoring the first tensor of a prefetch group brings the rest of the group back (same-group prefetch). Each
+    pass of backward over a retained graph does so, the second as the first: a pass ends with its graph task, and
+    with it what "restored already" means."""
+    a0 = torch.randn(64, 64, requires_grad=True)
+    b0 = torch.randn(64, 64, requires_grad=True)
+    with OffloadScope(prefetch_depth=1, **cpu_scope_kwargs) as scope:
+        scope._scope.begin_group()
+        y = _SaveTwo.apply(mark(a0 * 1), mark(b0 * 1)).sum()
+        scope._scope.end_group()
+        y.backward(retain_graph=True)
+        first = scope.stats
+        y.backward()
+        second = scope.stats
+    assert first.offloaded_tensors == 2 and first.prefetch_hits == 1, first
+    assert second.prefetch_hits == 2 and second.restored_tensors == 4, second
+    assert torch.equal(a0.grad, 2 * b0) and torch.equal(b0.grad, 2 * a0)

@@ -15,6 +15,7 @@
 
 #include "hsoffload/host_budget.h"
 #include "hsoffload/host_pool.h"
+#include "hsoffload/tensor_kind.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
@@ -23,6 +24,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -90,6 +92,10 @@ class UnpackRound {
   c10::intrusive_ptr<c10::StorageImpl> unpacked(int64_t& handle_round, c10::intrusive_ptr<c10::StorageImpl> restored);
   // A handle (last unpacked in `handle_round`) is gone. Returns the held storage to free when that ended the round.
   c10::intrusive_ptr<c10::StorageImpl> drop_handle(int64_t handle_round);
+  // Ends the round now, whoever has not unpacked yet (the graph task that was unpacking ended early:
+  // torch.autograd.grad on some inputs, a partial backward). Returns the held storage to free, if any; a handle that
+  // unpacks later restores again.
+  c10::intrusive_ptr<c10::StorageImpl> end_round();
 
  private:
   c10::intrusive_ptr<c10::StorageImpl> end_if_done_locked();
@@ -106,11 +112,50 @@ struct RestoreState {
   at::Tensor prefetched;  // device bytes of a restore started ahead of its unpack (until unpack takes them)
   int64_t pad = 0;        // where the span starts inside that block
   std::shared_ptr<SpillRead> spill_read;  // the read of the current restore, until unpack waits for it
+  std::shared_ptr<SpillRead> reading;     // that read while an unpack waits for it holding no lock
   std::shared_ptr<c10::Event> h2d_done;   // kept: every consumer stream waits on it
   std::optional<c10::Stream> alloc_stream;  // stream whose pool owns the restored block
   c10::weak_intrusive_ptr<c10::StorageImpl> restored{c10::intrusive_ptr<c10::StorageImpl>()};  // while held
-  bool restored_once = false;  // an unpack restored it
+  bool restored_once = false;  // an unpack restored it in this pass of backward (reset when a graph task ends)
   UnpackRound round;
+};
+
+// The elements one save referenced, in bytes of its storage: first byte, element size, sizes and strides.
+struct SaveFootprint {
+  int64_t begin = 0;
+  int64_t end = 0;  // one past its last byte
+  int64_t itemsize = 1;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;  // in elements
+  bool dense = false;  // its elements fill [begin, end) exactly (contiguous, or a permutation of contiguous)
+
+  // True if every element of `other` is an element of this save: `other` lies inside this dense save's bytes, or
+  // has this very geometry.
+  bool contains(const SaveFootprint& other) const;
+};
+
+// Which later saves may share a record's copy (docs/design.md, "Copy sharing"). A copy may span bytes that no save
+// referenced (copy_span copies a whole storage for a view of most of it), and a write that bypasses the version
+// counter (`.data`, a kernel writing through a raw pointer into a preallocated buffer) between the copy and a later
+// save of those bytes is invisible to the engine: sharing then would restore stale bytes. So a later save shares
+// only (a) elements an earlier save of the record referenced -- autograd's contract (a saved tensor is not modified
+// after its save) holds for them, and a version-bumping write makes a new copy anyway -- or (b) views made by the
+// same autograd node as the record's first save while that node lives: the outputs of one split/chunk/unbind (a
+// fused gate/up or q/k/v), made together from one base, whose storage the record's weak reference proves alive.
+//
+// Thread-safety: none of its own; written and read at pack, under the owning scope's mutex.
+class SharePolicy {
+ public:
+  // The record's first save: its footprint and the node that made it.
+  void first(SaveFootprint save, ProducerRef producer);
+  // True if a save with this footprint, made by `producer` (null: none), may share the record's copy. (M24)
+  bool admits(const SaveFootprint& save, const void* producer) const;
+  // A later save now shares the record: its elements count as referenced.
+  void add(SaveFootprint save);
+
+ private:
+  std::vector<SaveFootprint> saves_;
+  ProducerRef producer_;
 };
 
 // One host copy of a span of one storage. Shared by every handle whose tensor lies inside that span (tensors saved
@@ -123,6 +168,7 @@ struct OffloadRecord {
   SourceSpan source;
   std::shared_ptr<CopyLocation> copy = std::make_shared<CopyLocation>();
   RestoreState restore;
+  SharePolicy sharing;  // which later saves may share `copy`
   std::shared_ptr<std::mutex> mutex;  // the owning scope's mutex
 
   int64_t bytes() const { return source.bytes(); }
@@ -143,8 +189,9 @@ class RecordIndex {
  public:
   // Indexes `record` (its `source` must be set); it stays indexed while some handle holds it.
   void add(const std::shared_ptr<OffloadRecord>& record);
-  // A live record of `storage` whose span covers [begin, end), or null.
-  std::shared_ptr<OffloadRecord> find(const c10::StorageImpl* storage, int64_t begin, int64_t end) const;
+  // A live record of `storage` whose span covers [begin, end) and that `accept`s (if given), or null. Oldest first.
+  std::shared_ptr<OffloadRecord> find(const c10::StorageImpl* storage, int64_t begin, int64_t end,
+                                      const std::function<bool(const OffloadRecord&)>& accept = nullptr) const;
   // `record`, found again by a pack in a later `group` (a tensor every layer saves: rotary cos/sin), moves to that
   // group at the end of pack order (sequence number `seq`, scope entry `epoch`): backward, in reverse, needs it there
   // first, so prefetch brings it back with that group -- not with its first group, whose neighbours would come back

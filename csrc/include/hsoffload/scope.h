@@ -151,6 +151,13 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   void begin_group();
   void end_group();
 
+  // Gives back what restores hold for unpacks that may never come: blocks prefetched ahead of an unpack, and the
+  // restored storage a record keeps for its handles that have not unpacked in this pass (UnpackRound::end_round);
+  // a later unpack restores again. The next backward over a retained graph then prefetches as the first did. The
+  // Python shim calls it when a backward graph task that unpacked from this scope ends (torch.autograd.grad on some
+  // inputs, a partial backward end early), and exit() does. Counted in released_restores.
+  void release_restores();
+
   // The scope on top of this thread's stack, or null.
   static std::shared_ptr<OffloadScope> current();
   // Process-unique id of this scope (never reused), and the live scope with a
@@ -189,8 +196,20 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // Queues the write of `copy` (`bytes` of data; `held`: its budget lease, counted in writing_bytes_ until done).
   void start_host_write_locked(const std::shared_ptr<CopyLocation>& copy, int64_t bytes, int64_t held);
   at::Tensor restore(const SavedHandle& handle);
+  // The restore an unpack needs now. Out of device memory, it gives back the blocks prefetched ahead of their
+  // unpacks and tries once more; raises only when none were held (the device is really full).
+  void restore_now_locked(OffloadRecord& record);
+  // Drops every block prefetched ahead of its unpack (counted in prefetch_dropped); returns how many.
+  int64_t drop_prefetched_locked();
+  // Starts the prefetches that follow restoring `record`. The first that finds no device memory (prefetch_oom)
+  // gives back every prefetched block and pauses prefetch for the rest of the pass: an out-of-memory prefetch
+  // never fails a step, and from there the device holds what prefetch_depth 0 would.
+  void prefetch_locked(const OffloadRecord& record);
   // The three transfers a record goes through (transfer.h does the stream work).
-  void copy_to_host_locked(OffloadRecord& record, const at::Tensor& x);
+  void copy_to_host_locked(OffloadRecord& record, const at::Tensor& x, HostBlock host);
+  // Grows the pool by `bytes` (holding no lock); false, counted in host_alloc_failures, when the host allocation
+  // failed (pinned memory exhausted): the caller keeps the tensor on the device.
+  bool reserve_or_keep(int64_t bytes, bool pinned);
   // Straight from the device to a file: only when no host copy of this scope can make room (a copy larger than the
   // whole budget, or a budget held by other scopes' copies or by failed writes).
   void spill_from_device_locked(OffloadRecord& record, const at::Tensor& x);
@@ -218,6 +237,8 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // Incremented by enter(): prefetch stays within the records of one entry, so
   // one graph's backward does not pull another graph's tensors onto the device.
   int64_t epoch_ = 0;
+  // A prefetch found no device memory in this pass of backward: restores go on demand until release_restores.
+  bool prefetch_paused_ = false;
   // Expired marks/records are pruned when the lists reach this size (amortised O(1)).
   size_t prune_at_ = 64;
   SideStreams streams_;

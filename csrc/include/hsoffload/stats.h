@@ -33,7 +33,11 @@ namespace hsoffload {
   X(pack_wait_ns, "host time packs waited for spill writes to free host budget (included in wait_ns)")              \
   X(spill_write_errors, "spill writes that failed (a snapshot when read; a host copy whose write failed stays in host)") \
   X(spilled_from_device_tensors, "spilled straight from device memory: no host copy of the scope could make room")  \
-  X(captured_passthrough, "marked tensors saved while the current stream was capturing a graph: left in place")
+  X(captured_passthrough, "marked tensors saved while the current stream was capturing a graph: left in place")   \
+  X(prefetch_oom, "prefetches not started for lack of device memory (the unpack copies on demand instead)")         \
+  X(prefetch_dropped, "prefetched blocks given back so that a restore an unpack needed found device memory")        \
+  X(host_alloc_failures, "host (pinned) allocations that failed at pack: the tensor stayed on the device (kept)")   \
+  X(released_restores, "prefetched or held restores given back when a graph task ended early or the scope exited")
 
 // The process-wide host pool (HostPool::stats()).
 #define HSOFFLOAD_POOL_STATS(X)                                                                                     \

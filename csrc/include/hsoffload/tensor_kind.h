@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 
 namespace hsoffload {
 
@@ -20,5 +21,20 @@ bool has_plain_storage(const at::Tensor& t);
 
 // `x`'s version counter now, or 0 if it has none (inference tensors): what marks and records compare.
 uint32_t version_of(const at::Tensor& x);
+
+// A weak reference to the autograd node that made a tensor (its grad_fn): names that node while it lives and never
+// keeps it alive, so an address reused by a later node never compares equal. The engine compares producers only
+// (copy sharing, records.h); it never calls into autograd.
+class ProducerRef {
+ public:
+  ProducerRef() = default;
+  // `x`'s grad_fn, or an empty reference when it has none (leaves, tensors made without grad, inference tensors).
+  static ProducerRef of(const at::Tensor& x);
+  // The node while it lives, else null.
+  const void* get() const { return lock_ ? lock_() : nullptr; }
+
+ private:
+  std::function<const void*()> lock_;  // type-erased: torch's node pointer type differs between releases
+};
 
 }  // namespace hsoffload

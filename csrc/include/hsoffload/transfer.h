@@ -18,7 +18,7 @@
 // takes its lock, so no pinned allocation happens under a lock in the common case (docs/design.md).
 //
 // Thread-safety: the free functions hold no state (they touch only their arguments, which the caller owns or
-// guards). SideStreams is not thread-safe: its owner (a scope) calls it under its mutex.
+// guards). SideStreams and side_stream are thread-safe.
 #pragma once
 
 #include "hsoffload/host_pool.h"
@@ -42,17 +42,21 @@ enum class Direction { kToHost, kToDevice };
 // allocator's block alignment (kernels choose code paths by data-pointer alignment).
 constexpr int64_t kSpanAlignment = 512;
 
-// The side streams of one owner: one per device and direction, taken from torch's stream pool on first use.
+// The side stream copies in `direction` on `device` run on: one pair per device per process (docs/design.md, "Stream
+// ownership"), taken once from torch's pools -- copies to host at normal priority, restores at high priority --
+// and the same for every scope, step and thread. Thread-safe.
+c10::Stream side_stream(c10::Device device, Direction direction);
+
+// Which stream a scope's copies run on.
 class SideStreams {
  public:
   // `enabled` false: every copy runs on the compute stream (OffloadConfig::use_streams).
   explicit SideStreams(bool enabled) : enabled_(enabled) {}
-  // The stream copies in `direction` on `device` run on: the side stream, or `compute` when disabled.
+  // The process's side stream (side_stream), or `compute` when disabled.
   c10::Stream for_copy(c10::Device device, Direction direction, c10::Stream compute);
 
  private:
   bool enabled_;
-  std::vector<std::pair<c10::Device, std::array<c10::Stream, 2>>> streams_;  // [kToHost, kToDevice]
 };
 
 // True if the stream current on `device` is capturing a graph (CUDA graphs, torch.compile "reduce-overhead").

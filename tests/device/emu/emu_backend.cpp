@@ -65,7 +65,9 @@ struct EmuGuardImpl final : c10::impl::DeviceGuardImplInterface {
   void uncheckedSetDevice(c10::Device) const noexcept override {}
   c10::Stream getStream(c10::Device) const override { return stream_of(current_stream()); }
   c10::Stream getDefaultStream(c10::Device) const override { return stream_of(0); }
-  c10::Stream getStreamFromGlobalPool(c10::Device, bool) const override { return stream_of(next_pool_stream()); }
+  c10::Stream getStreamFromGlobalPool(c10::Device, bool high_priority) const override {
+    return stream_of(next_pool_stream(high_priority));
+  }
   c10::Stream getNewStream(c10::Device, int) const override { return stream_of(new_stream()); }
   c10::Stream exchangeStream(c10::Stream s) const override {
     const c10::StreamId old = current_stream();
@@ -98,6 +100,7 @@ struct EmuGuardImpl final : c10::impl::DeviceGuardImplInterface {
     count(&Counters::cross_stream_waits);
   }
   bool queryEvent(void* event) const override {
+    TORCH_CHECK(!event_fault(), "hsemu: device-side assert triggered (emulated sticky error, set_event_fault)");
     const auto* e = static_cast<const Event*>(event);
     if (e != nullptr && e->captured && any_capturing()) {
       capture_violation("query of a captured event");
@@ -105,6 +108,7 @@ struct EmuGuardImpl final : c10::impl::DeviceGuardImplInterface {
     return e == nullptr || e->stream < 0 || done(e->stream, e->ticket);
   }
   void synchronizeEvent(void* event) const override {
+    TORCH_CHECK(!event_fault(), "hsemu: device-side assert triggered (emulated sticky error, set_event_fault)");
     const auto* e = static_cast<const Event*>(event);
     if (e != nullptr && e->captured && any_capturing()) {
       capture_violation("synchronize on a captured event");
@@ -552,4 +556,13 @@ TORCH_LIBRARY(hsemu, m) {
   m.def("begin_capture() -> ()", [] { hsemu::begin_capture(hsemu::current_stream()); });
   m.def("is_current_stream_capturing() -> bool", [] { return hsemu::is_capturing(hsemu::current_stream()); });
   m.def("end_capture() -> str[]", [] { return hsemu::end_capture(hsemu::current_stream()); });
+  // Faults (emu_runtime.h): every event query/synchronize raises while set (a sticky device error); the device
+  // allocator's capacity in bytes (0: unlimited; beyond it allocations raise OutOfMemoryError).
+  m.def("set_event_fault(bool on) -> ()", [](bool on) { hsemu::set_event_fault(on); });
+  m.def("set_device_capacity(int bytes) -> ()", [](int64_t bytes) { hsemu::set_device_capacity(bytes); });
+  m.def("device_capacity() -> int", [] { return hsemu::device_capacity(); });
+  // While set, every pinned host allocation raises.
+  m.def("set_pinned_alloc_fault(bool on) -> ()", [](bool on) { hsemu::set_pinned_alloc_fault(on); });
+  // True if `id` is a high-priority pool stream.
+  m.def("is_high_priority(int id) -> bool", [](int64_t id) { return hsemu::is_high_priority(id); });
 }

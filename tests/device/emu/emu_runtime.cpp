@@ -124,6 +124,7 @@ Worker& worker(c10::StreamId id) {
 
 thread_local c10::StreamId tls_stream = 0;  // CUDA keeps the current stream per thread too
 std::atomic<c10::StreamId> next_pool{0};
+std::atomic<c10::StreamId> next_high_pool{0};
 std::atomic<c10::StreamId> next_new{kFirstNewStream};
 
 // ---- delays ---------------------------------------------------------------------
@@ -158,6 +159,13 @@ class DeviceAllocator final : public c10::Allocator {
     }
     const size_t size = round_up(n);
     const c10::StreamId stream = current_stream();
+    const int64_t capacity = device_capacity();
+    if (capacity > 0) {
+      const int64_t in_use = counters().allocated_bytes;
+      TORCH_CHECK_WITH(OutOfMemoryError, in_use + static_cast<int64_t>(size) <= capacity,
+                       "hsemu: out of device memory: tried to allocate ", size, " bytes with ", in_use, " of ",
+                       capacity, " bytes in use (emulated capacity, set_device_capacity)");
+    }
     Block block;
     bool reused = false;
     {
@@ -286,6 +294,8 @@ class PinnedAllocator final : public c10::Allocator {
     if (any_capturing()) {
       capture_violation("pinned host allocation of " + std::to_string(n) + " bytes");
     }
+    TORCH_CHECK(!pinned_alloc_fault(), "hsemu: pinned host allocation of ", n,
+                " bytes failed (emulated: out of pinnable memory, set_pinned_alloc_fault)");
     std::lock_guard<std::mutex> lock(mutex_);
     void* ptr = nullptr;
     for (auto it = idle_.rbegin(); it != idle_.rend(); ++it) {
@@ -424,7 +434,26 @@ void set_current_stream(c10::StreamId id) {
   TORCH_CHECK_VALUE(id >= 0, "hsemu: stream ids are >= 0, got ", id);
   tls_stream = id;
 }
-c10::StreamId next_pool_stream() { return 1 + (next_pool++ % kPoolStreams); }
+c10::StreamId next_pool_stream(bool high_priority) {
+  if (high_priority) return kHighPriorityPool + (next_high_pool++ % kPoolStreams);
+  return 1 + (next_pool++ % kPoolStreams);
+}
+bool is_high_priority(c10::StreamId id) { return id >= kHighPriorityPool && id < kHighPriorityPool + kPoolStreams; }
+
+namespace {
+std::atomic<bool> event_fault_on{false};
+std::atomic<int64_t> capacity_bytes{0};
+}  // namespace
+std::atomic<bool> pinned_fault_on{false};
+void set_pinned_alloc_fault(bool on) { pinned_fault_on.store(on); }
+bool pinned_alloc_fault() { return pinned_fault_on.load(); }
+void set_event_fault(bool on) { event_fault_on.store(on); }
+bool event_fault() { return event_fault_on.load(); }
+void set_device_capacity(int64_t bytes) {
+  TORCH_CHECK_VALUE(bytes >= 0, "hsemu: device capacity must be >= 0 bytes (0: unlimited), got ", bytes);
+  capacity_bytes.store(bytes);
+}
+int64_t device_capacity() { return capacity_bytes.load(); }
 c10::StreamId new_stream() { return next_new++; }
 
 int64_t copy_delay_us(CopyKind kind) { return delays()[static_cast<int>(kind)].load(); }

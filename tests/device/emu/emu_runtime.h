@@ -58,7 +58,11 @@ void drain_all();
 // The calling thread's current stream (per thread, like CUDA's).
 c10::StreamId current_stream();
 void set_current_stream(c10::StreamId id);
-c10::StreamId next_pool_stream();
+// Pool streams: low priority ids 1..kPoolStreams, high priority ids kHighPriorityPool..+kPoolStreams-1, each handed
+// out round-robin (like CUDA's per-priority pools).
+constexpr c10::StreamId kHighPriorityPool = 32;
+c10::StreamId next_pool_stream(bool high_priority = false);
+bool is_high_priority(c10::StreamId id);
 c10::StreamId new_stream();
 
 // ---- events ------------------------------------------------------------------
@@ -84,6 +88,20 @@ bool any_capturing();
 void capture_violation(const std::string& what);
 // block(event recorded on `from` (captured or not), onto stream `to`): joins, forks and illegal waits.
 void capture_wait(const Event& e, c10::StreamId to);
+
+// ---- faults (what a dead device context or a full device does) ----------------------------------------------------
+
+// While set, every event query and event synchronize raises (as CUDA does after a sticky error: a device-side
+// assert), naming the emulated fault.
+void set_event_fault(bool on);
+bool event_fault();
+// While set, every pinned host allocation raises (pinned memory exhausted).
+void set_pinned_alloc_fault(bool on);
+bool pinned_alloc_fault();
+// Device bytes the allocator may hand out at once (0: unlimited); an allocation beyond it raises
+// c10::OutOfMemoryError, as the CUDA caching allocator does.
+void set_device_capacity(int64_t bytes);
+int64_t device_capacity();
 
 // ---- copy delays (widen race windows) -----------------------------------------
 

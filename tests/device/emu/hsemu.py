@@ -154,3 +154,39 @@ def capture() -> Iterator[None]:
         violations = list(torch.ops.hsemu.end_capture())
     if violations:
         raise RuntimeError("hsemu: graph capture failed: " + "; ".join(violations))
+
+
+@contextlib.contextmanager
+def event_fault() -> Iterator[None]:
+    """Inside the block every event query and synchronize raises, as after a sticky device error (a device-side
+    assert): the context is dead."""
+    torch.ops.hsemu.set_event_fault(True)
+    try:
+        yield
+    finally:
+        torch.ops.hsemu.set_event_fault(False)
+
+
+@contextlib.contextmanager
+def device_capacity(nbytes: int) -> Iterator[None]:
+    """Inside the block the device allocator hands out at most `nbytes` at once; beyond it raises OutOfMemoryError."""
+    before = int(torch.ops.hsemu.device_capacity())
+    torch.ops.hsemu.set_device_capacity(nbytes)
+    try:
+        yield
+    finally:
+        torch.ops.hsemu.set_device_capacity(before)
+
+
+def is_high_priority(stream_id: int) -> bool:
+    return bool(torch.ops.hsemu.is_high_priority(stream_id))
+
+
+@contextlib.contextmanager
+def pinned_alloc_fault() -> Iterator[None]:
+    """Inside the block every pinned host allocation raises (pinned memory exhausted)."""
+    torch.ops.hsemu.set_pinned_alloc_fault(True)
+    try:
+        yield
+    finally:
+        torch.ops.hsemu.set_pinned_alloc_fault(False)

@@ -342,6 +342,31 @@ def test_sibling_chunks_share_one_copy_and_one_restore(dev):
     assert s.restored_tensors == 2 and s.restored_bytes == fused_bytes, s  # one restore for both consumers
 
 
+def test_a_sibling_rewritten_between_saves_restores_its_new_bytes(dev):
+    """Two separate slices of one fused output: a's record copies the whole storage (M21), then b is rewritten
+    through `.data` (no version bump, as a kernel writing into a preallocated buffer does) before b is saved. b must
+    not share a's copy (M24): the gradients equal those without offload, bit for bit."""
+    torch.manual_seed(0)
+    x0 = torch.randn(64, 32, device=dev, requires_grad=True)
+    w0 = torch.randn(32, 96, device=dev, requires_grad=True)
+
+    def step(x: torch.Tensor, w: torch.Tensor, scope: OffloadScope | None) -> None:
+        base = x @ w
+        a, b = base[:, :48], base[:, 48:]
+        ya = (scope.mark(a) if scope else a).sin()
+        b.data.mul_(2.0)
+        yb = (scope.mark(b) if scope else b).cos()
+        (ya.sum() + yb.sum()).backward()
+
+    step(x0, w0, None)
+    x, w = x0.detach().clone().requires_grad_(), w0.detach().clone().requires_grad_()
+    with OffloadScope(min_offload_size=0, use_streams=True) as scope:
+        step(x, w, scope)
+    hsemu.synchronize()
+    assert scope.stats.offloaded_tensors == 2, scope.stats
+    assert torch.equal(x.grad, x0.grad) and torch.equal(w.grad, w0.grad)
+
+
 def test_a_tensor_every_layer_saves_comes_back_with_the_last_layer(dev):
     """Rotary cos/sin are computed once and saved by every decoder layer: one record, first packed in layer 0.
     Backward of the last layer must bring back one layer ahead (prefetch_depth 1), not layer 0's group as well
