@@ -221,6 +221,9 @@ SpillStore::SpillStore(std::string dir, bool pinned_staging, std::shared_ptr<Hos
   if (const char* delay = std::getenv("HSOFFLOAD_TEST_SPILL_WRITE_DELAY_MS")) {
     write_delay_ms_ = std::max<int64_t>(0, std::strtoll(delay, nullptr, 10));
   }
+  if (const char* delay = std::getenv("HSOFFLOAD_TEST_SPILL_READ_DELAY_MS")) {
+    read_delay_ms_ = std::max<int64_t>(0, std::strtoll(delay, nullptr, 10));
+  }
   for (int64_t i = 0; i < kIoThreads; ++i) {
     int64_t held = 0;
     staging_.push_back(aligned_chunk(kChunkBytes, pinned_staging, held));
@@ -318,9 +321,10 @@ std::shared_ptr<SpillFile> SpillStore::create_file(int64_t bytes, std::shared_pt
   return std::make_shared<SpillFile>(fd, bytes, direct, std::move(errors), open_files_);
 }
 
-void SpillStore::lag_for_tests() const {
-  if (write_delay_ms_ > 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(write_delay_ms_));  // a lagging disk
+void SpillStore::lag_for_tests(bool write) const {
+  const int64_t ms = write ? write_delay_ms_ : read_delay_ms_;
+  if (ms > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));  // a lagging disk
   }
 }
 
@@ -345,7 +349,7 @@ void SpillStore::write_host(int64_t bytes, TakeHost take, HostWritten done) {
 void SpillStore::run_write_host(int64_t bytes, const TakeHost& take, const HostWritten& done,
                                 const at::Tensor& staging) {
   RECORD_USER_SCOPE("hsoffload::spill_write");
-  lag_for_tests();
+  lag_for_tests(/*write=*/true);
   std::optional<HostSource> source;
   std::string error;
   try {
@@ -409,7 +413,7 @@ void SpillStore::run_write(const std::shared_ptr<SpillFile>& file, at::Tensor sr
                            const std::shared_ptr<c10::Event>& produced, const std::optional<c10::Stream>& copy_stream,
                            const at::Tensor& staging) {
   RECORD_USER_SCOPE("hsoffload::spill_write");
-  lag_for_tests();
+  lag_for_tests(/*write=*/true);
   const int64_t t0 = now_ns();
   const int64_t n = file->bytes();
   std::string error;
@@ -476,6 +480,7 @@ void SpillStore::run_read(const std::shared_ptr<SpillFile>& file, const at::Tens
                           const std::shared_ptr<SpillRead>& read, const at::Tensor& staging) {
   RECORD_USER_SCOPE("hsoffload::spill_read");
   const int64_t t0 = now_ns();
+  lag_for_tests(/*write=*/false);
   std::string error;
   {
     std::lock_guard<std::mutex> lock(file->mutex);

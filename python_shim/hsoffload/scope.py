@@ -21,6 +21,7 @@ import torch
 from . import capture, current
 from ._logging import log_once
 from .config import OffloadConfig
+from .cudagraphs import owned_by_cudagraph_tree
 from .current import current_scope
 from .graph_tasks import GraphTaskWatch
 from .host import apply_host_budget, budget_stats, reserve_host
@@ -115,6 +116,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         )
         select = self._selector if c.policy != "hidden_states" else None
         sac_state = sac.state
+        owned_by_tree = owned_by_cudagraph_tree
         pack_sac_kept = self._pack_sac_kept
 
         def pack_hook(x: torch.Tensor) -> Any:
@@ -127,7 +129,8 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             if type(x) in plain:
                 if select is not None and type(x) is torch.Tensor and select(x):
                     engine.mark(x)
-                return pack_op(x, scope_id)
+                # A CUDA-graph tree's memory (reduce-overhead compile) stays where it is, as under capture (counted).
+                return pack_op(x, scope_id, owned_by_tree(x))
             return _pack_subclass(engine, x, scope_id)
 
         watch = GraphTaskWatch(engine.release_restores)
@@ -290,9 +293,10 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             log_once(
                 "captured-passthrough",
                 logging.INFO,
-                "hsoffload: %d marked tensors were saved while a graph was being captured (CUDA graphs, "
-                "torch.compile mode='reduce-overhead'); they stayed on the device, in the graph's memory. Offload "
-                "applies to eager and non-captured compiled code only. See scope.stats.captured_passthrough.",
+                "hsoffload: %d marked tensors were saved while a graph was being captured or live in a CUDA-graph "
+                "tree's memory (CUDA graphs, torch.compile mode='reduce-overhead'); they stayed on the device, in the "
+                "graph's memory. Offload applies to eager and non-cudagraphed compiled code only (mode='default' or "
+                "'max-autotune-no-cudagraphs'). See scope.stats.captured_passthrough.",
                 stats.captured_passthrough,
             )
         if stats.kept_on_device_tensors > 0 and not self.config.spill_dir:

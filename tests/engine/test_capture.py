@@ -83,3 +83,56 @@ def test_engine_says_whether_it_detects_capture_itself() -> None:
     # Where the engine detects capture (or there is no accelerator), the shim never probes: no per-pack Python cost.
     if detects or not torch.accelerator.is_available():
         assert capture._choose_probe() is None
+
+
+@pytest.fixture
+def cached_tensor_registry():
+    """torch's registry of tensors a CUDA-graph tree hands out on replay (process-global: restored after)."""
+    import torch._inductor.cudagraph_trees  # noqa: F401  (what makes trees possible in this process)
+
+    added: list[torch.Tensor] = []
+    torch._C._set_cached_tensors_enabled(True)
+    try:
+        yield added
+    finally:
+        for t in added:
+            torch._C._remove_cached_tensor(t)
+        torch._C._set_cached_tensors_enabled(False)
+
+
+def test_a_tensor_a_cudagraph_tree_hands_out_is_recognised(cached_tensor_registry) -> None:
+    """The decision of reduce-overhead pass-through: a replayed tree output (registered as a cached tensor by the
+    tree) is tree memory; another tensor is not; with no tree manager for the device, nothing else is."""
+    from hsoffload.cudagraphs import in_tree_memory, owned_by_cudagraph_tree
+
+    out = torch.randn(32, 32)
+    torch._C._add_cached_tensor(out)
+    cached_tensor_registry.append(out)
+    assert in_tree_memory(out, 0)
+    assert not in_tree_memory(torch.randn(32, 32), 0)  # no manager exists for device 0: not a tree's
+    assert not owned_by_cudagraph_tree(out)  # a CPU tensor: trees are CUDA-only
+
+
+def test_pack_passes_tree_memory_through_and_counts_it(cached_tensor_registry, monkeypatch) -> None:
+    """What the pack hook does with a tensor the decision calls tree memory (here a CPU tensor registered as a tree
+    would register its output on a GPU; the CUDA-only gate is lifted): it stays where it is, counted in
+    captured_passthrough, while the other saved activation moves; gradients equal no offload."""
+    from hsoffload import cudagraphs, scope as scope_module
+
+    monkeypatch.setattr(scope_module, "owned_by_cudagraph_tree", lambda t: cudagraphs.in_tree_memory(t, 0))
+
+    def f(x: torch.Tensor, tree_output: bool) -> torch.Tensor:
+        h = x * 2  # "the cudagraphed graph's output"
+        if tree_output:
+            torch._C._add_cached_tensor(h)
+            cached_tensor_registry.append(h)
+        return (h.sin() * x.cos()).sum()  # sin saves h (tree memory), cos saves x (ordinary)
+
+    x0 = torch.randn(64, 64, requires_grad=True)
+    f(x0, False).backward()
+    x = x0.detach().clone().requires_grad_(True)
+    with OffloadScope(offload_cpu_tensors=True, min_offload_size=0, policy="all") as scope:
+        f(x, True).backward()
+    assert torch.equal(x.grad, x0.grad)
+    s = scope.stats
+    assert s.captured_passthrough == 1 and s.offloaded_tensors >= 1, s

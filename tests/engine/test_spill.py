@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -125,6 +126,39 @@ def test_lagging_disk_keeps_tensors_on_device_and_says_so_once(wait_ms: int, cap
     lines = [r.getMessage() for r in caplog.records if "stayed on the device" in r.getMessage()]
     assert len(lines) == 1 and f"spill_wait_ms={wait_ms}" in lines[0] and "outran the disk" in lines[0], lines
     _settled()
+
+
+def test_an_unpack_waiting_for_a_slow_read_holds_no_lock(monkeypatch, tmp_path) -> None:
+    """Every copy spilled (a budget smaller than any copy), reads lagging 200 ms. While backward's unpacks wait for
+    their reads (queued with the next layers' reads before the wait), the scope stays usable from another thread:
+    a stats() call (which takes the scope's mutex) never waits for the disk. Bitwise equal to no offload."""
+    from support.device_model import LinearStack
+
+    delay_ms = 200
+    monkeypatch.setenv("HSOFFLOAD_TEST_SPILL_READ_DELAY_MS", str(delay_ms))  # read by the new directory's store
+    torch.manual_seed(0)
+    model = LinearStack(256, 4)
+    x = torch.randn(256, 256, requires_grad=True)
+    ref = torch.autograd.grad(model(x), [x, *model.parameters()])
+    kwargs = dict(CPU, max_host_bytes=1024, spill_dir=str(tmp_path), spill_prefetch_depth=2)
+    got: list = []
+    slowest = 0.0
+    with OffloadScope(**kwargs) as scope:
+        loss = model(x)
+        backward = threading.Thread(target=lambda: got.extend(torch.autograd.grad(loss, [x, *model.parameters()])))
+        backward.start()
+        while backward.is_alive():
+            t0 = time.perf_counter()
+            scope.stats  # noqa: B018  (takes the scope's mutex)
+            slowest = max(slowest, time.perf_counter() - t0)
+            time.sleep(0.002)
+        backward.join()
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(ref, got))
+    s = scope.stats
+    assert s.spilled_from_device_tensors == 4 and s.restored_tensors == 4, s
+    assert s.spill_read_wait_ns / 1e6 >= delay_ms, s  # the reads did lag
+    assert slowest * 1000 < delay_ms / 2, slowest  # never behind a read
+    _settled(scope)
 
 
 def test_auto_budget_is_logged_once_with_its_figures(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:

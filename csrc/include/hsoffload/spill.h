@@ -159,8 +159,9 @@ class SpillStore {
   bool pinned_staging_ = false;
   // A test knob: every write sleeps this long first, so tests can make the disk lag the packs
   // ($HSOFFLOAD_TEST_SPILL_WRITE_DELAY_MS, read when the store is created).
-  int64_t write_delay_ms_ = 0;
-  void lag_for_tests() const;  // every write calls it first
+  int64_t write_delay_ms_ = 0;  // HSOFFLOAD_TEST_SPILL_WRITE_DELAY_MS
+  int64_t read_delay_ms_ = 0;   // HSOFFLOAD_TEST_SPILL_READ_DELAY_MS
+  void lag_for_tests(bool write) const;  // every write and read calls it first (a lagging disk, for tests)
   std::vector<std::thread> threads_;
 };
 
