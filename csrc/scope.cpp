@@ -2,11 +2,13 @@
 // or spill) and unpack (restore -> prefetch -> consume). The stream work is transfer.cpp's.
 #include "hsoffload/scope.h"
 
+#include "hsoffload/events.h"
 #include "hsoffload/prefetch.h"
 #include "hsoffload/tensor_kind.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
+#include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -133,6 +135,9 @@ OffloadScope::OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool,
       streams_(config_.use_streams) {}
 
 OffloadScope::~OffloadScope() {
+  for (const ForeignSource& f : foreign_sources_) {
+    wait_event(*f.copied);  // a copy still reading memory its allocator does not know of: let it finish first
+  }
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry_locked().erase(id_);
 }
@@ -329,6 +334,7 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
     TORCH_CHECK(error.empty(), error);
   }
   if (first) count(stats_, &OffloadStats::saved_tensors_seen, 1);
+  if (!foreign_sources_.empty()) reap_foreign_sources_locked();
   Mark* mark = x.defined() && !marks_.empty() ? marks_.find(x) : nullptr;
   if (mark != nullptr) {
     if (!mark->counted) {
@@ -508,6 +514,18 @@ void OffloadScope::copy_to_host_locked(OffloadRecord& record, const at::Tensor& 
   copy.host = std::move(host);
   const at::Tensor src = byte_view(x.storage(), x.device(), record.source.begin, record.source.end);
   copy.d2h_done = copy_to_host(src, copy.host, streams_);
+  if (copy.d2h_done && x.storage().allocator() != c10::GetAllocator(x.device().type())) {
+    // Memory the device's caching allocator does not own (DLPack, from_blob, a graph pool's raw pointer): telling
+    // that allocator of the side stream's use (I1) does not hold its owner back, so the storage itself stays
+    // referenced until the copy has read it.
+    foreign_sources_.push_back({copy.d2h_done, x.storage()});
+  }
+}
+
+void OffloadScope::reap_foreign_sources_locked() {
+  foreign_sources_.erase(std::remove_if(foreign_sources_.begin(), foreign_sources_.end(),
+                                        [](const ForeignSource& f) { return event_completed(*f.copied); }),
+                         foreign_sources_.end());
 }
 
 void OffloadScope::spill_from_device_locked(OffloadRecord& record, const at::Tensor& x) {

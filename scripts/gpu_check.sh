@@ -14,7 +14,7 @@
 # instead of the GPU suite), so it can be smoke-tested: `make test-twin` runs it offline in CI with
 # the GPU machine's versions and requires every step to end ok.
 #
-# Output ($OUT, flat): summary.txt build.log pytest_gpu.log demo.log demo.png bench.log bench.json
+# Output ($OUT, flat): summary.txt build.log pytest_gpu.log pytest_faults.log sanitizer.log demo.log demo.png bench.log bench.json
 # bench.png trace.json trace.json.png (one profiled step: copies against compute per layer)
 set -u
 START=$(date +%s) # before any probe: the budget is the script's whole wall time
@@ -113,6 +113,15 @@ rc=$?
 # Every failure and skip with its reason (the log's last lines, with the counts, are already there).
 grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest_gpu.log" | head -n 20 | grep -vxF -f <(tail -n 5 "$OUT/pytest_gpu.log") |
   sed 's/^/    /' >>"$SUMMARY"
+
+# 2b. Faults only a GPU shows (a device-side assert, a device too small for prefetch, reduce-overhead compile,
+# side-stream ownership), then the bitwise GPU tests again under the CUDA sanitizer (stream races it can see).
+HSOFFLOAD_GPU_FIGURES="$SUMMARY" run_step pytest_faults 90 "$OUT/pytest_faults.log" \
+  "$PY" -m pytest -m gpu tests/device/test_gpu_faults.py -q -rfEs -p no:cacheprovider
+grep -E "^(FAILED|ERROR)" "$OUT/pytest_faults.log" | head -n 10 | sed 's/^/    /' >>"$SUMMARY"
+TORCH_CUDA_SANITIZER=1 run_step sanitizer 60 "$OUT/sanitizer.log" \
+  "$PY" -m pytest -m gpu tests/device/test_gpu.py -q -rfEs -p no:cacheprovider -k "bit_identical or race_amplification"
+grep -E "^(FAILED|ERROR)|CSAN" "$OUT/sanitizer.log" | head -n 10 | sed 's/^/    /' >>"$SUMMARY"
 
 # 3. Demo (small; on the GPU when there is one).
 run_step demo 90 "$OUT/demo.log" "$PY" -m hsoffload demo --plot "$OUT/demo.png"

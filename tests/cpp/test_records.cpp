@@ -164,6 +164,37 @@ void test_unpack_round_holds_the_restore_for_every_handle() {
   EXPECT(round.drop_handle(a).get() == nullptr);
 }
 
+void test_unpack_round_ends_early_when_its_graph_task_does() {
+  using hsoffload::UnpackRound;
+  UnpackRound round;
+  round.add_handle();
+  round.add_handle();
+  int64_t a = -1, b = -1;
+  auto restored = at::empty({64}, at::kByte).storage().getWeakStorageImpl().lock();
+  EXPECT(round.end_round().get() == nullptr);      // nothing unpacked: nothing to end
+  EXPECT(!round.unpacked(a, restored));            // held for b, which never unpacks in this pass
+  EXPECT(round.end_round().get() == restored.get());  // the graph task ended: the held storage is given back
+  EXPECT(!round.unpacked(b, restored));            // a new pass: b is the first to unpack, held for a
+  EXPECT(round.unpacked(a, restored).get() == restored.get());  // and a ends it
+}
+
+void test_share_policy_admits_referenced_bytes_and_same_node_siblings() {
+  hsoffload::SaveFootprint dense{0, 4096, 4, {32, 32}, {32, 1}, true};
+  hsoffload::SaveFootprint half{0, 4096 - 64, 4, {32, 16}, {32, 1}, false};  // columns 0..15 of the same rows
+  hsoffload::SaveFootprint other_half{64, 4096, 4, {32, 16}, {32, 1}, false};
+  hsoffload::SaveFootprint inner{1024, 2048, 4, {8, 32}, {32, 1}, true};
+  hsoffload::SharePolicy whole;
+  whole.first(dense, hsoffload::ProducerRef());
+  EXPECT(whole.admits(inner, nullptr) && whole.admits(half, nullptr));  // inside bytes a save referenced
+  hsoffload::SharePolicy strided;
+  strided.first(half, hsoffload::ProducerRef());
+  EXPECT(strided.admits(half, nullptr));             // the same elements
+  EXPECT(!strided.admits(other_half, nullptr));      // bytes only the copy spans, no save referenced
+  EXPECT(!strided.admits(inner, nullptr));
+  strided.add(other_half);
+  EXPECT(strided.admits(other_half, nullptr));       // once a save referenced them
+}
+
 }  // namespace
 
 int main() {
@@ -174,5 +205,7 @@ int main() {
   test_prefetch_rest_of_group();
   test_regroup_moves_a_record_to_its_last_group();
   test_unpack_round_holds_the_restore_for_every_handle();
+  test_unpack_round_ends_early_when_its_graph_task_does();
+  test_share_policy_admits_referenced_bytes_and_same_node_siblings();
   EXPECT_DONE("test_records");
 }

@@ -241,6 +241,14 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   bool prefetch_paused_ = false;
   // Expired marks/records are pruned when the lists reach this size (amortised O(1)).
   size_t prune_at_ = 64;
+  // Sources in memory the device's allocator does not own, kept referenced until their copy to host has read them
+  // (copy_to_host_locked); reaped at every pack, waited for by the destructor.
+  struct ForeignSource {
+    std::shared_ptr<c10::Event> copied;
+    c10::Storage storage;
+  };
+  std::vector<ForeignSource> foreign_sources_;
+  void reap_foreign_sources_locked();
   SideStreams streams_;
   OffloadStats stats_;
 };

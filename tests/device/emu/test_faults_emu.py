@@ -179,3 +179,17 @@ def test_side_streams_are_one_pair_per_device_per_process(dev):
     d2h, h2d = seen[0]
     assert d2h != h2d and d2h != 0 and h2d != 0, seen
     assert hsemu.is_high_priority(h2d) and not hsemu.is_high_priority(d2h), seen
+
+
+def test_pin_memory_off_with_an_accelerator_warns_once(dev, caplog):
+    """pin_memory=False on an accelerator makes every copy synchronous: said once, with the knob."""
+    from hsoffload._logging import forget_logged
+
+    forget_logged()
+    model = LinearStack(64, 2).to(dev)
+    x = torch.randn(16, 64, device=dev)
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        for _ in range(2):
+            _step(model, x, {"min_offload_size": 0, "pin_memory": False})
+    lines = [r.getMessage() for r in caplog.records if "pin_memory=False" in r.getMessage()]
+    assert len(lines) == 1 and "synchronous" in lines[0], lines
