@@ -191,8 +191,7 @@ def _fits(shape: pm.ModelShape, setup: pm.Setup, device_bytes: int) -> bool:
 def _degree_allowed(shape: pm.ModelShape, s: pm.Setup, d: int) -> bool:
     """Whether sequence parallelism of degree `d` (of `s`'s kind) can run this model (Setup.check's rule)."""
     try:
-        dataclasses.replace(s, sequence_parallel=d, seq_len=d, world_size=max(d, s.world_size),
-                            tiled_mlp=1)._check_sequence_parallel(shape)
+        dataclasses.replace(s, sequence_parallel=d).check_sequence_parallel(shape)
     except PlanError:
         return False
     return True

@@ -256,7 +256,7 @@ class Setup:
         if self.sequence_parallel > self.world_size:
             raise PlanError(f"hsoffload plan: --sequence-parallel {self.sequence_parallel} needs at least that many "
                             f"ranks, got --world-size {self.world_size}")
-        self._check_sequence_parallel(shape)
+        self.check_sequence_parallel(shape)
         for name, value, allowed in (("cpu_offload", self.cpu_offload, CPU_OFFLOAD),
                                      ("fused_kernels", self.fused_kernels, FUSED_KERNELS),
                                      ("sequence_parallel_kind", self.sequence_parallel_kind,
@@ -284,7 +284,7 @@ class Setup:
         if self.tiled_mlp > self.tokens:
             raise PlanError(f"hsoffload plan: --tiled-mlp {self.tiled_mlp} exceeds the {self.tokens} tokens per rank")
 
-    def _check_sequence_parallel(self, shape: ModelShape) -> None:
+    def check_sequence_parallel(self, shape: ModelShape) -> None:
         """Ulysses gives each rank heads / D whole heads: D must divide the attention heads, and the key/value heads
         must divide by D or D by them (DeepSpeed replicates key/value heads when there are fewer than D). Ring
         attention splits no heads, but needs SDPA's fused kernels."""
