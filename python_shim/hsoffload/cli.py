@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prefetch-depth", type=int, default=1, help="layers restored ahead in backward (default 1)")
     pl.add_argument("--policy", default=None, help="hidden_states (default with checkpointing), sac (projection outputs kept) or all (default with --no-checkpointing)")
     pl.add_argument("--keep-last-layers", type=int, default=0, help="last layers left on the device (default 0)")
-    pl.add_argument("--optimizer", default="adamw", help="adamw (default: two float32 moments per parameter), adam, adamw_param_dtype (torch AdamW on bf16 weights: moments in bf16), adamw8bit, sgd or sgd_momentum")
+    pl.add_argument("--optimizer", default="adamw", help="adamw (default: two float32 moments per parameter), adam, adamw_master (DeepSpeed bf16: float32 master weights and two moments on the device), adamw_param_dtype (torch AdamW on bf16 weights: moments in bf16), adamw8bit, sgd or sgd_momentum")
     pl.add_argument("--sequence-parallel", type=int, default=1, metavar="D", help="sequence parallelism of degree D: tokens per rank = micro-batch x seq / D (default 1)")
     pl.add_argument("--sequence-parallel-kind", default="ulysses", help="ulysses (default: DeepSpeed Ulysses/ALST, all-to-all buffers of q, k, v and the output; D must divide the attention heads) or ring (ring attention / torch context parallel: key/value chunks passed round; sdpa or flash only)")
     pl.add_argument("--tiled-mlp", type=int, default=1, metavar="N", help="MLP computed in N sequence chunks, saving only its input (default 1: untiled)")

@@ -572,7 +572,8 @@ def max_seq(inp: PlanInput, step: int = 1024) -> dict[str, Any]:
     return {"model_type": shape.model_type, "device_bytes": device_bytes, "world_size": inp.world_size,
             "model_states_device_bytes": pm.model_states_device_bytes(shape, base),
             "model_states_host_bytes_per_node": pm.model_states_host_bytes(shape, on_host) * local,
-            "cpu_offload": base.cpu_offload,
+            "cpu_offload": base.cpu_offload, "fused_kernels": base.fused_kernels,
+            "sequence_parallel_kind": base.sequence_parallel_kind,
             "micro_batch": inp.micro_batch, "dtype": inp.dtype, "attn": base.attn, "policy": base.offload,
             "step": step, "rows": rows}
 
@@ -589,8 +590,12 @@ def format_max_seq(r: dict[str, Any]) -> str:
             return "none fits"
         return f"{n:,} ({row[f'{col}_peak_bytes'] / _GIB:,.1f} GiB, {row[f'{col}_dominant_term']})"
 
+    given = "".join([f", {r['fused_kernels']} kernels" if r["fused_kernels"] != "none" else "",
+                     f", {_CPU_OFFLOAD[r['cpu_offload']]}" if r["cpu_offload"] != "none" else "",
+                     f", sequence parallelism {_SEQUENCE_PARALLEL_KINDS[r['sequence_parallel_kind']]}"
+                     if r["world_size"] > 1 else ""])
     header = (f"hsoffload plan --max-seq: {r['model_type']}, {r['dtype']}, micro-batch {r['micro_batch']}, "
-              f"{r['world_size']} ranks, {r['device_bytes'] / _GIB:,.0f} GiB per device, attn {r['attn']}; longest "
+              f"{r['world_size']} ranks, {r['device_bytes'] / _GIB:,.1f} GiB per device, attn {r['attn']}{given}; longest "
               f"sequence that fits (multiples of {r['step']:,}), with the peak and its dominant term")
     width = max(len(row["knobs"]) for row in r["rows"]) + 2
     col = max([len("checkpointing only")] + [len(cell(row, c)) for row in r["rows"]

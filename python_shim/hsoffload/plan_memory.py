@@ -49,7 +49,9 @@ F32 = 4
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash", "math", "eager")
 # Optimizer state per parameter: bytes, or None for "two moments in the parameter's dtype" (torch.optim.AdamW on
 # bf16 parameters without float32 master weights).
-OPTIMIZERS: dict[str, Optional[int]] = {"adamw": 8, "adam": 8, "adamw_param_dtype": None, "adamw8bit": 2, "sgd": 0,
+# "adamw_master": DeepSpeed's bf16/fp16 mixed precision on the device: float32 master weights beside the two moments.
+OPTIMIZERS: dict[str, Optional[int]] = {"adamw": 8, "adam": 8, "adamw_master": 12, "adamw_param_dtype": None,
+                                        "adamw8bit": 2, "sgd": 0,
                                         "sgd_momentum": 4}
 OFFLOAD_POLICIES = ("hidden_states", "sac", "all")
 # Model states on the host: "optimizer" (optimizer states, float32 master weights and float32 gradients there, the
@@ -353,7 +355,8 @@ def optimizer_step_bytes(shape: ModelShape, s: Setup) -> int:
     none on the device when the step runs on the host (the updated weights are copied back in place)."""
     if s.states_on_host:
         return 0
-    return shape.parameters() * (_state_bytes_per_parameter(s) // 2) // s.shards
+    moment = F32 if s.optimizer == "adamw_master" else _state_bytes_per_parameter(s) // 2
+    return shape.parameters() * moment // s.shards
 
 
 def host_state_bytes_per_parameter(s: Setup) -> int:
@@ -363,7 +366,8 @@ def host_state_bytes_per_parameter(s: Setup) -> int:
     the float32 shard at the all-gather instead: 2 B less per parameter in bf16)."""
     if not s.states_on_host:
         return 0
-    per = _state_bytes_per_parameter(s) + F32 + F32
+    master = 0 if s.optimizer == "adamw_master" else F32  # counted in its states already
+    per = _state_bytes_per_parameter(s) + F32 + master
     if s.params_on_host and s.dtype_bytes < F32:
         per += s.dtype_bytes
     return per

@@ -316,6 +316,12 @@ def test_model_states_on_the_host(capsys: pytest.CaptureFixture[str]) -> None:
     assert tight["host_budget_bytes_per_node"] == int((200 * GIB - states) * 0.8)  # 52.3 GiB for 64 GiB offloaded
     assert tight["spill_bytes_per_node"] == 32 * 262144 * 4096 * 2 - tight["host_budget_bytes_per_node"] > 0
     assert tight["verdict"] == "fits with spill"
+    # DeepSpeed's bf16 mixed precision keeps float32 masters beside the moments: on the device, 12 B per parameter;
+    # on the host the same 16 B as AdamW (the masters are not counted twice).
+    master = _plan_json(capsys, *args, "--optimizer", "adamw_master")
+    assert master["term_optimizer_states_bytes"] == p * 12 and master["term_optimizer_update_bytes"] == p * 4
+    assert _plan_json(capsys, *args, "--optimizer", "adamw_master", "--cpu-offload",
+                      "optimizer")["model_states_host_bytes_per_node"] == p * 16
     # Sharded over 8 ranks on one node: each rank holds its eighth; the node holds them all.
     eight = _plan_json(capsys, *args, "--world-size", "8", "--cpu-offload", "optimizer")
     assert eight["model_states_host_bytes_per_node"] == p * 16 // 8 * 8
