@@ -25,12 +25,21 @@ within 10 % on tiny Llama, Qwen3 and Qwen3-MoE models. What they assume:
   flight); ``eager``: transformers' eager attention (float32 softmax, the 4-D additive mask alive through the step).
 - The loss: transformers' ForCausalLMLoss (logits upcast to float32, log_softmax saved), or with ``chunked_loss`` a
   fused linear cross-entropy in chunks of Liger's size (logits never materialised, input gradient made in forward).
-- Sequence parallelism is Ulysses-style: tokens per rank = micro_batch * seq / D; attention sees the whole sequence
-  for heads / D heads, plus one all-to-all buffer of q, k, v and the output.
+- Sequence parallelism (tokens per rank = micro_batch * seq / D), of two kinds: Ulysses (DeepSpeed, ALST) lets
+  attention see the whole sequence for heads / D heads, plus one all-to-all buffer of q, k, v and the output (key/value
+  heads fewer than D replicated); ring attention (torch's context parallel) keeps each rank's queries and passes
+  key/value chunks round (two in flight, their gradients in backward, a float32 merge of the partial outputs).
 - ``tiled_mlp`` N: the MLP runs in N sequence chunks and saves only its input (ALST's TiledMLP), recomputing each
   chunk in backward.
 - FSDP (``fsdp`` and world_size > 1) shards weights, gradients and optimizer states; the layer being computed and
   one prefetched are gathered whole, and one layer's unsharded gradients exist before their reduce-scatter.
+- Model states on the host (``cpu_offload``): "optimizer" leaves the weights and gradients on the device and puts
+  the optimizer states, float32 masters and float32 gradients in pinned host memory (the step on the CPU);
+  "params" also the weights (the device keeps the root's embedding and head, two gathered layers and one layer's
+  gradients in flight).
+- ``fused_kernels`` "liger": Liger's RMSNorm (saves its input and a float32 inverse RMS per row), SwiGLU (saves gate
+  and up; the product is down_proj's input) and fused linear cross-entropy (the chunked loss), from their autograd
+  functions; MoE expert MLPs are left as transformers' loop.
 - Offload (policy ``hidden_states``/``sac``): what backward holds stays on the device for the layer in backward,
   ``prefetch_depth`` restored ahead, one being copied in forward, and the last ``keep_last_layers``. Policy ``all``
   (no checkpointing): every layer's saved tensors, with the same window; the head's stay on the device.
