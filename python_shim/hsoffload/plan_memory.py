@@ -306,6 +306,9 @@ class Setup:
             if self.attn not in ("sdpa", "flash"):
                 raise PlanError(f"hsoffload plan: ring attention (--sequence-parallel-kind ring) runs SDPA's fused "
                                 f"kernels chunk by chunk; --attn {self.attn} is not one: use --attn sdpa or flash")
+            if self.seq_len % (2 * d):
+                raise PlanError(f"hsoffload plan: ring attention splits the sequence into 2 x {d} chunks (load "
+                                f"balance of the causal mask); --seq-len {self.seq_len} is not a multiple of {2 * d}")
             return
         if shape.heads % d:
             raise PlanError(f"hsoffload plan: Ulysses sequence parallelism gives each rank heads / D whole attention "

@@ -197,6 +197,8 @@ def test_multimodal_and_moe_configs(tmp_path: Path, capsys: pytest.CaptureFixtur
     (["--seq-len", "1024", "--world-size", "64", "--sequence-parallel", "64"], "does not divide the 32 heads"),
     (["--seq-len", "1024", "--world-size", "8", "--sequence-parallel", "8", "--sequence-parallel-kind", "ring",
       "--attn", "eager"], "ring attention (--sequence-parallel-kind ring) runs SDPA's fused kernels"),
+    (["--seq-len", "1032", "--world-size", "8", "--sequence-parallel", "8", "--sequence-parallel-kind", "ring"],
+     "--seq-len 1032 is not a multiple of 16"),
     (["--seq-len", "1024", "--sequence-parallel-kind", "star"], "--sequence-parallel-kind must be one of ulysses, ring"),
     (["--seq-len", "1024", "--cpu-offload", "disk"], "--cpu-offload must be one of none, optimizer, params"),
     (["--seq-len", "1024", "--fused-kernels", "unsloth"], "--fused-kernels must be one of none, liger"),
