@@ -377,6 +377,12 @@ def plan(inp: PlanInput) -> dict[str, Any]:
     return result
 
 
+# max_host_bytes=auto: this fraction of the RAM available when the scope starts.
+AUTO_HOST_BUDGET_FRACTION = 0.8
+# Pinned model states beyond this fraction of a node's RAM leave too little for the OS, data loaders, the processes.
+HOST_STATES_FRACTION = 0.8
+
+
 @dataclasses.dataclass(frozen=True)
 class HostSide:
     """One node's host memory: RAM, the pinned model states, hsoffload's budget and where the offloaded bytes go."""
@@ -389,17 +395,14 @@ class HostSide:
 
     @property
     def states_fit(self) -> bool:
-        """The model states stay within 80 % of the node's RAM (the rest for the OS, data loaders, the processes)."""
+        """The model states stay within HOST_STATES_FRACTION of the node's RAM."""
         return self.model_states <= HOST_STATES_FRACTION * self.ram
-
-
-HOST_STATES_FRACTION = 0.8
 
 
 def host_side(host_ram: int, model_states_node: int, offloaded_node: int) -> HostSide:
     """The node's host side: the model states are pinned first (before the first step), so max_host_bytes=auto, read
     from MemAvailable when the scope starts, is 80 % of what they leave; what the offload needs beyond it spills."""
-    budget = int(max(0, host_ram - model_states_node) * 0.8)
+    budget = int(max(0, host_ram - model_states_node) * AUTO_HOST_BUDGET_FRACTION)
     in_host = min(offloaded_node, budget)
     return HostSide(ram=host_ram, model_states=model_states_node, budget=budget, offloaded_in_host=in_host,
                     spill=offloaded_node - in_host)
