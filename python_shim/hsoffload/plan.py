@@ -272,7 +272,7 @@ def plan(inp: PlanInput) -> dict[str, Any]:
     held = [pm.held_per_layer_bytes(shape, setup, m) for m in moe_flags]
     layer_input = held[0] if setup.checkpointing else tokens * hidden * b
     kept_layers = setup.keep_last_layers
-    offloaded_per_rank = sum(held[: layers - kept_layers])
+    offloaded_per_rank = offloaded_bytes_per_rank(shape, setup)
     host_ram = inp.host_ram_bytes if inp.host_ram_bytes is not None else _mem_available()
     host = host_side(host_ram, pm.model_states_host_bytes(shape, setup) * local, offloaded_per_rank * local)
     model_states = pm.model_states_device_bytes(shape, setup)
@@ -381,6 +381,26 @@ def plan(inp: PlanInput) -> dict[str, Any]:
 AUTO_HOST_BUDGET_FRACTION = 0.8
 # Pinned model states beyond this fraction of a node's RAM leave too little for the OS, data loaders, the processes.
 HOST_STATES_FRACTION = 0.8
+
+
+def offloaded_bytes_per_rank(shape: pm.ModelShape, s: pm.Setup) -> int:
+    """What the offload policy moves to the host per rank and step: what backward holds for every layer but the
+    last `keep_last_layers`."""
+    held = [pm.held_per_layer_bytes(shape, s, pm._is_moe(shape, i)) for i in range(shape.layers)]
+    return sum(held[: shape.layers - s.keep_last_layers])
+
+
+def host_limit(shape: pm.ModelShape, s: pm.Setup, host_ram: int, local: int, unit: int) -> int:
+    """The longest multiple of `unit` tokens whose offloaded bytes fit the node's host budget without spilling, the
+    pinned model states counted first (0 if they alone do not fit). What is offloaded grows linearly in the
+    sequence, so one evaluation at `unit` tokens gives the slope."""
+    states = pm.model_states_host_bytes(shape, s) * local
+    at_unit = dataclasses.replace(s, seq_len=unit)
+    host = host_side(host_ram, states, offloaded_bytes_per_rank(shape, at_unit) * local)
+    if not host.states_fit:
+        return 0
+    per_unit = offloaded_bytes_per_rank(shape, at_unit) * local
+    return host.budget // per_unit * unit if per_unit else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,6 +573,7 @@ def max_seq(inp: PlanInput, step: int = 1024) -> dict[str, Any]:
         combos.append((last_label, last))
     if base.cpu_offload != "params":
         combos.append((f"{last_label} + model states on host", {**last, "cpu_offload": "params"}))
+    local = inp.local_world_size or min(inp.world_size, 8)
     rows = []
     for label, change in combos:
         row: dict[str, Any] = {"knobs": label}
@@ -563,6 +584,8 @@ def max_seq(inp: PlanInput, step: int = 1024) -> dict[str, Any]:
             unit = math.lcm(step, s.sequence_parallel)
             longest = _longest(shape, s, device_bytes, unit, auto_tiles=change.get("tiled_mlp") == 0)
             row[column] = longest
+            if column == "hsoffload" and inp.host_ram_bytes is not None:
+                row["hsoffload_host_limit"] = host_limit(shape, s, inp.host_ram_bytes, local, unit)
             if longest:
                 at = dataclasses.replace(s, seq_len=longest, tiled_mlp=_auto_tiles(shape, s, longest)
                                          if change.get("tiled_mlp") == 0 else s.tiled_mlp)
@@ -571,14 +594,13 @@ def max_seq(inp: PlanInput, step: int = 1024) -> dict[str, Any]:
                 row[f"{column}_dominant_term"] = dominant
         rows.append(row)
     on_host = dataclasses.replace(base, cpu_offload="params")
-    local = inp.local_world_size or min(inp.world_size, 8)
     return {"model_type": shape.model_type, "device_bytes": device_bytes, "world_size": inp.world_size,
             "model_states_device_bytes": pm.model_states_device_bytes(shape, base),
             "model_states_host_bytes_per_node": pm.model_states_host_bytes(shape, on_host) * local,
             "cpu_offload": base.cpu_offload, "fused_kernels": base.fused_kernels,
             "sequence_parallel_kind": base.sequence_parallel_kind,
             "micro_batch": inp.micro_batch, "dtype": inp.dtype, "attn": base.attn, "policy": base.offload,
-            "step": step, "rows": rows}
+            "host_ram_bytes": inp.host_ram_bytes, "step": step, "rows": rows}
 
 
 def _auto_tiles(shape: pm.ModelShape, s: pm.Setup, seq: int) -> int:
@@ -603,9 +625,14 @@ def format_max_seq(r: dict[str, Any]) -> str:
     width = max(len(row["knobs"]) for row in r["rows"]) + 2
     col = max([len("checkpointing only")] + [len(cell(row, c)) for row in r["rows"]
                                             for c in ("checkpointing", "hsoffload")]) + 2
-    lines = [header, f"  {'knobs':<{width}}{'checkpointing only':<{col}}hsoffload ({r['policy']})"]
+    with_host = r["host_ram_bytes"] is not None
+    hs_title = f"hsoffload ({r['policy']})"
+    lines = [header, f"  {'knobs':<{width}}{'checkpointing only':<{col}}{hs_title:<{col if with_host else 0}}"
+                     + (f"host RAM, no spill ({r['host_ram_bytes'] / _GIB:,.0f} GiB per node)" if with_host else "")]
     for row in r["rows"]:
-        lines.append(f"  {row['knobs']:<{width}}{cell(row, 'checkpointing'):<{col}}{cell(row, 'hsoffload')}")
+        host = f"{row['hsoffload_host_limit']:,}" if with_host and row["hsoffload_host_limit"] else "none fits"
+        lines.append(f"  {row['knobs']:<{width}}{cell(row, 'checkpointing'):<{col}}"
+                     + (f"{cell(row, 'hsoffload'):<{col}}{host}" if with_host else cell(row, "hsoffload")))
     if not any(row["hsoffload"] for row in r["rows"]):
         lines.append(f"  the model states alone (weights, gradients, optimizer states: "
                      f"{r['model_states_device_bytes'] / _GIB:,.1f} GiB per rank) leave no room: shard them over more "

@@ -501,3 +501,24 @@ def test_real_width_peak_matches_fake_tensor_tracking(name: str, vocab: Optional
                                  checkpointing=checkpointing, host_ram_bytes=1 << 40, device_bytes=1 << 40))
     predicted = p["device_peak_bytes_checkpointing" if checkpointing else "device_peak_bytes_no_checkpointing"]
     assert abs(predicted - measured) <= 0.10 * measured, (measured / GIB, predicted / GIB, p["peak_phase"])
+
+
+def test_max_seq_host_column(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --host-ram-gib, --max-seq adds the host wall: the longest sequence whose offloaded hidden states fit
+    hsoffload's budget without spilling, the pinned model states counted first; --seq-len at that length agrees."""
+    r = _plan_json(capsys, LLAMA_8B, "--max-seq", "--device-gib", "80", "--host-ram-gib", "256")
+    on_host = r["rows"][-1]
+    states = LLAMA_8B_PARAMETERS * 18
+    budget = int((256 * GIB - states) * 0.8)
+    per_1024 = 32 * 1024 * 4096 * 2  # every layer's input, bf16, per 1,024 tokens
+    assert on_host["hsoffload_host_limit"] == budget // per_1024 * 1024 == 397_312
+    assert r["rows"][0]["hsoffload_host_limit"] == int(256 * GIB * 0.8) // per_1024 * 1024  # nothing pinned
+    common = [LLAMA_8B, "--device-gib", "80", "--host-ram-gib", "256", "--cpu-offload", "params", "--chunked-loss",
+              "--tiled-mlp", "400"]
+    at = _plan_json(capsys, *common, "--seq-len", str(on_host["hsoffload_host_limit"]))
+    assert at["verdict"] == "fits" and at["spill_bytes_per_node"] == 0
+    past = _plan_json(capsys, *common, "--seq-len", str(on_host["hsoffload_host_limit"] + 1024))
+    assert past["verdict"] == "fits with spill" and past["spill_bytes_per_node"] > 0
+    assert main(["plan", LLAMA_8B, "--max-seq", "--device-gib", "80", "--host-ram-gib", "256"]) == 0
+    assert "host RAM, no spill (256 GiB per node)" in capsys.readouterr().out
+    assert "hsoffload_host_limit" not in _plan_json(capsys, LLAMA_8B, "--max-seq", "--device-gib", "80")["rows"][0]
