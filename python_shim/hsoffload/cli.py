@@ -94,10 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prefetch-depth", type=int, default=1, help="layers restored ahead in backward (default 1)")
     pl.add_argument("--policy", default=None, help="hidden_states (default with checkpointing), sac (projection outputs kept) or all (default with --no-checkpointing)")
     pl.add_argument("--keep-last-layers", type=int, default=0, help="last layers left on the device (default 0)")
-    pl.add_argument("--optimizer", default="adamw", help="adamw (default: two float32 moments per parameter), adam, adamw_param_dtype (torch AdamW on bf16 weights: moments in bf16), adamw8bit, sgd or sgd_momentum")
-    pl.add_argument("--sequence-parallel", type=int, default=1, metavar="D", help="Ulysses sequence parallelism: tokens per rank = micro-batch x seq / D (default 1)")
+    pl.add_argument("--optimizer", default="adamw", help="adamw (default: two float32 moments per parameter), adam, adamw_master (DeepSpeed bf16: float32 master weights and two moments on the device), adamw_param_dtype (torch AdamW on bf16 weights: moments in bf16), adamw8bit, sgd or sgd_momentum")
+    pl.add_argument("--sequence-parallel", type=int, default=1, metavar="D", help="sequence parallelism of degree D: tokens per rank = micro-batch x seq / D (default 1)")
+    pl.add_argument("--sequence-parallel-kind", default="ulysses", help="ulysses (default: DeepSpeed Ulysses/ALST, all-to-all buffers of q, k, v and the output; D must divide the attention heads) or ring (ring attention / torch context parallel: key/value chunks passed round; sdpa or flash only)")
     pl.add_argument("--tiled-mlp", type=int, default=1, metavar="N", help="MLP computed in N sequence chunks, saving only its input (default 1: untiled)")
     pl.add_argument("--chunked-loss", action="store_true", help="a fused/chunked linear cross-entropy: the logits are never materialised")
+    pl.add_argument("--fused-kernels", default="none", help="none (default: transformers' eager modules) or liger (Liger's RMSNorm, SwiGLU and fused linear cross-entropy, as TRL's use_liger_kernel or Axolotl's liger_* keys: they save less; implies --chunked-loss)")
+    pl.add_argument("--cpu-offload", default="none", help="none (default), optimizer (optimizer states, float32 master weights and gradients in pinned host memory, the step on the CPU: ZeRO-Offload) or params (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3 offload_param; the device holds the gathered layers)")
     pl.add_argument("--attn", default="sdpa", help="sdpa (default) or flash: linear in the sequence; math (SDPA's fallback without fused kernels) or eager: quadratic")
     pl.add_argument("--no-checkpointing", action="store_true", help="no gradient checkpointing (hsoffload then offloads with policy all)")
     pl.add_argument("--no-fsdp", action="store_true", help="weights, gradients and optimizer states replicated on every rank (default: FSDP-sharded over --world-size)")
@@ -228,6 +231,9 @@ def _plan(args: argparse.Namespace) -> int:
         attn=args.attn,
         checkpointing=not args.no_checkpointing,
         fsdp=not args.no_fsdp,
+        cpu_offload=args.cpu_offload,
+        fused_kernels=args.fused_kernels,
+        sequence_parallel_kind=args.sequence_parallel_kind,
     )
     try:
         if args.max_seq:

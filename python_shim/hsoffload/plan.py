@@ -55,6 +55,9 @@ class PlanInput:
     attn: str = "sdpa"
     checkpointing: bool = True
     fsdp: bool = True
+    cpu_offload: str = "none"  # none, optimizer (optimizer states + float32 masters on the host) or params (all)
+    fused_kernels: str = "none"  # none or liger (RMSNorm, SwiGLU, fused linear cross-entropy)
+    sequence_parallel_kind: str = "ulysses"  # ulysses (all-to-all of heads) or ring (key/value chunks)
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -138,10 +141,17 @@ def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
         offload=policy,  # "all" with checkpointing offloads the checkpoint inputs (what remains saved)
         keep_last_layers=min(inp.keep_last_layers, shape.layers) if inp.keep_last_layers >= 0 else inp.keep_last_layers,
         prefetch_depth=inp.prefetch_depth, optimizer=inp.optimizer, selective_checkpointing=policy == "sac",
+        cpu_offload=inp.cpu_offload, fused_kernels=inp.fused_kernels,
+        sequence_parallel_kind=inp.sequence_parallel_kind,
     )
+    if setup.fused_kernels == "liger":  # Liger's fused linear cross-entropy is a chunked loss of Liger's size
+        setup = dataclasses.replace(setup, chunked_loss=True)
     setup.check(shape)
     return setup
 
+
+_SEQUENCE_PARALLEL_KINDS = {"ulysses": "Ulysses all-to-all", "ring": "ring key/value chunks"}
+_CPU_OFFLOAD = {"optimizer": "optimizer states on the host", "params": "model states on the host"}
 
 # The parts of a phase, as the text names them.
 _PART_NAMES = {
@@ -178,9 +188,18 @@ def _fits(shape: pm.ModelShape, setup: pm.Setup, device_bytes: int) -> bool:
     return pm.peak(shape, setup).total <= device_bytes
 
 
+def _degree_allowed(shape: pm.ModelShape, s: pm.Setup, d: int) -> bool:
+    """Whether sequence parallelism of degree `d` (of `s`'s kind) can run this model (Setup.check's rule)."""
+    try:
+        dataclasses.replace(s, sequence_parallel=d).check_sequence_parallel(shape)
+    except PlanError:
+        return False
+    return True
+
+
 def _parallel_degrees(shape: pm.ModelShape, s: pm.Setup) -> list[int]:
     return [d for d in (2, 4, 8, 16, 32, 64) if d > s.sequence_parallel and d <= s.world_size
-            and s.seq_len % d == 0 and shape.heads % d == 0]
+            and s.seq_len % d == 0 and _degree_allowed(shape, s, d)]
 
 
 def _knob_changes(shape: pm.ModelShape, s: pm.Setup) -> list[tuple[str, dict[str, Any]]]:
@@ -199,6 +218,10 @@ def _knob_changes(shape: pm.ModelShape, s: pm.Setup) -> list[tuple[str, dict[str
         out.append((f"sequence parallelism {d} (--sequence-parallel {d})", {"sequence_parallel": d}))
     if s.world_size > 1 and not s.fsdp:
         out.append(("FSDP sharding", {"fsdp": True}))
+    if s.cpu_offload == "none":
+        out.append(("optimizer states on the host (--cpu-offload optimizer)", {"cpu_offload": "optimizer"}))
+    if s.cpu_offload != "params":
+        out.append(("model states on the host (--cpu-offload params)", {"cpu_offload": "params"}))
     return out
 
 
@@ -249,14 +272,10 @@ def plan(inp: PlanInput) -> dict[str, Any]:
     held = [pm.held_per_layer_bytes(shape, setup, m) for m in moe_flags]
     layer_input = held[0] if setup.checkpointing else tokens * hidden * b
     kept_layers = setup.keep_last_layers
-    offloaded_per_rank = sum(held[: layers - kept_layers])
+    offloaded_per_rank = offloaded_bytes_per_rank(shape, setup)
     host_ram = inp.host_ram_bytes if inp.host_ram_bytes is not None else _mem_available()
-    budget_node = int(host_ram * 0.8)  # max_host_bytes=auto: 80 % of the node's available RAM, shared by its ranks
-    need_node = offloaded_per_rank * local
-    host_node = min(need_node, budget_node)
-    spill_node = need_node - host_node
-    model_states = (pm.weights_bytes(shape, setup) + pm.gradients_bytes(shape, setup)
-                    + pm.optimizer_state_bytes(shape, setup))
+    host = host_side(host_ram, pm.model_states_host_bytes(shape, setup) * local, offloaded_per_rank * local)
+    model_states = pm.model_states_device_bytes(shape, setup)
     device_held_ckpt = sum(pm.held_per_layer_bytes(shape, ckpt_setup, m) for m in moe_flags)
     window = min(layers, kept_layers + 1 + setup.prefetch_depth)
     device_held_offload = window * layer_input
@@ -270,13 +289,19 @@ def plan(inp: PlanInput) -> dict[str, Any]:
     forward_s = (2 * layer_params * tokens + attention_flops) / (inp.tflops * 1e12)
     hides = transfer_s <= forward_s
     fits = phase.total <= device_bytes
-    if not fits:
+    if not fits or not host.states_fit:
         verdict = "does not fit"
-    elif spill_node > 0:
+    elif host.spill > 0:
         verdict = "fits with spill"
     else:
         verdict = "fits"
     fixes = [] if fits else suggest(shape, setup, device_bytes)
+    if not fits:
+        why = advice(dominant, dominant_bytes, fixes)
+    elif not host.states_fit:
+        why = host_advice(host, setup)
+    else:
+        why = ""
     terms = {
         "weights": pm.weights_bytes(shape, setup),
         "gradients": pm.gradients_bytes(shape, setup),
@@ -290,6 +315,8 @@ def plan(inp: PlanInput) -> dict[str, Any]:
         "layer_backward": pm.layer_backward_bytes(shape, setup, moe_flags[-1]),
         "attention_mask": pm.attention_mask_bytes(shape, setup),
         "ulysses_buffers": pm.ulysses_buffer_bytes(shape, setup),
+        "ring_buffers": pm.ring_buffer_bytes(shape, setup),
+        "moe_routing": pm.moe_routing_bytes(shape, setup, moe_flags[-1]),
         "logits": pm.logits_bytes(shape, setup),
         "head_saved": pm.head_saved_bytes(shape, setup),
         "head_forward": pm.head_forward_transient_bytes(shape, setup),
@@ -312,6 +339,9 @@ def plan(inp: PlanInput) -> dict[str, Any]:
         "checkpointing": setup.checkpointing,
         "attn": setup.attn,
         "sequence_parallel": setup.sequence_parallel,
+        "sequence_parallel_kind": setup.sequence_parallel_kind,
+        "cpu_offload": setup.cpu_offload,
+        "fused_kernels": setup.fused_kernels,
         "tiled_mlp": setup.tiled_mlp,
         "chunked_loss": setup.chunked_loss,
         "optimizer": setup.optimizer,
@@ -321,7 +351,8 @@ def plan(inp: PlanInput) -> dict[str, Any]:
         "offloaded_bytes_per_rank": offloaded_per_rank,
         "device_bytes_checkpointing": device_held_ckpt,  # held for backward, checkpointing alone
         "device_bytes_offload": device_held_offload,  # held for backward, with hsoffload
-        "device_bytes_model_states": model_states,
+        "model_states_device_bytes": model_states,
+        "model_states_host_bytes_per_node": host.model_states,
         "device_bytes": device_bytes,
         "device_peak_bytes": phase.total,
         "device_peak_bytes_checkpointing": peak_ckpt,
@@ -332,17 +363,77 @@ def plan(inp: PlanInput) -> dict[str, Any]:
         "dominant_term_bytes": dominant_bytes,
         **{f"term_{k}_bytes": v for k, v in terms.items()},
         "host_ram_bytes": host_ram,
-        "host_budget_bytes_per_node": budget_node,
-        "host_bytes_per_node": host_node,
-        "spill_bytes_per_node": spill_node,
+        "host_budget_bytes_per_node": host.budget,
+        "host_bytes_per_node": host.offloaded_in_host,
+        "spill_bytes_per_node": host.spill,
+        "host_model_states_fit": host.states_fit,
         "transfer_s_per_layer": transfer_s,
         "forward_s_per_layer": forward_s,
         "copies_hide_behind_compute": hides,
         "verdict": verdict,
         "fixes": fixes,
-        "advice": advice(dominant, dominant_bytes, fixes) if not fits else "",
+        "advice": why,
     }
     return result
+
+
+# max_host_bytes=auto: this fraction of the RAM available when the scope starts.
+AUTO_HOST_BUDGET_FRACTION = 0.8
+# Pinned model states beyond this fraction of a node's RAM leave too little for the OS, data loaders, the processes.
+HOST_STATES_FRACTION = 0.8
+
+
+def offloaded_bytes_per_rank(shape: pm.ModelShape, s: pm.Setup) -> int:
+    """What the offload policy moves to the host per rank and step: what backward holds for every layer but the
+    last `keep_last_layers`."""
+    held = [pm.held_per_layer_bytes(shape, s, pm._is_moe(shape, i)) for i in range(shape.layers)]
+    return sum(held[: shape.layers - s.keep_last_layers])
+
+
+def host_limit(shape: pm.ModelShape, s: pm.Setup, host_ram: int, local: int, unit: int) -> int:
+    """The longest multiple of `unit` tokens whose offloaded bytes fit the node's host budget without spilling, the
+    pinned model states counted first (0 if they alone do not fit). What is offloaded grows linearly in the
+    sequence, so one evaluation at `unit` tokens gives the slope."""
+    states = pm.model_states_host_bytes(shape, s) * local
+    at_unit = dataclasses.replace(s, seq_len=unit)
+    host = host_side(host_ram, states, offloaded_bytes_per_rank(shape, at_unit) * local)
+    if not host.states_fit:
+        return 0
+    per_unit = offloaded_bytes_per_rank(shape, at_unit) * local
+    return host.budget // per_unit * unit if per_unit else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSide:
+    """One node's host memory: RAM, the pinned model states, hsoffload's budget and where the offloaded bytes go."""
+
+    ram: int
+    model_states: int  # pinned model states of the node's ranks (cpu_offload)
+    budget: int  # hsoffload's max_host_bytes=auto for the node: 80 % of what the model states leave
+    offloaded_in_host: int
+    spill: int
+
+    @property
+    def states_fit(self) -> bool:
+        """The model states stay within HOST_STATES_FRACTION of the node's RAM."""
+        return self.model_states <= HOST_STATES_FRACTION * self.ram
+
+
+def host_side(host_ram: int, model_states_node: int, offloaded_node: int) -> HostSide:
+    """The node's host side: the model states are pinned first (before the first step), so max_host_bytes=auto, read
+    from MemAvailable when the scope starts, is 80 % of what they leave; what the offload needs beyond it spills."""
+    budget = int(max(0, host_ram - model_states_node) * AUTO_HOST_BUDGET_FRACTION)
+    in_host = min(offloaded_node, budget)
+    return HostSide(ram=host_ram, model_states=model_states_node, budget=budget, offloaded_in_host=in_host,
+                    spill=offloaded_node - in_host)
+
+
+def host_advice(host: HostSide, s: pm.Setup) -> str:
+    """One sentence: the model states on the host do not fit the node's RAM, and what would."""
+    need = (f"the model states on the host need {host.model_states / _GIB:,.1f} GiB per node, more than "
+            f"{HOST_STATES_FRACTION:.0%} of its {host.ram / _GIB:,.1f} GiB of RAM")
+    lighter = " or --cpu-offload optimizer (weights stay on the device)" if s.cpu_offload == "params" else ""
+    return f"{need}: more nodes (fewer ranks per node), a lighter optimizer{lighter}"
 
 
 def advice(dominant: str, nbytes: int, fixes: list[str]) -> str:
@@ -362,13 +453,18 @@ def format_plan(p: dict[str, Any]) -> str:
     ms = lambda s: f"{s * 1e3:,.2f} ms"  # noqa: E731
     knobs = [f"attn {p['attn']}"]
     if p["sequence_parallel"] > 1:
-        knobs.append(f"sequence parallel {p['sequence_parallel']}")
+        kind = _SEQUENCE_PARALLEL_KINDS[p["sequence_parallel_kind"]]
+        knobs.append(f"sequence parallel {p['sequence_parallel']} ({kind})")
+    if p["fused_kernels"] != "none":
+        knobs.append(f"{p['fused_kernels']} kernels")
     if p["tiled_mlp"] > 1:
         knobs.append(f"tiled MLP {p['tiled_mlp']}")
     if p["chunked_loss"]:
         knobs.append("chunked loss")
     knobs.append("FSDP" if p["fsdp"] else "unsharded")
     knobs.append(p["optimizer"])
+    if p["cpu_offload"] != "none":
+        knobs.append(_CPU_OFFLOAD[p["cpu_offload"]])
     policy = f"policy {p['policy']}" if p["checkpointing"] else f"no checkpointing, policy {p['policy']}"
     rows: list[tuple[str, Optional[str]]] = [
         (f"per rank, device peak ({p['peak_phase']}):", None),
@@ -379,7 +475,7 @@ def format_plan(p: dict[str, Any]) -> str:
         ("peak, checkpointing only", g(p["device_peak_bytes_checkpointing"])),
         ("peak, no checkpointing", g(p["device_peak_bytes_no_checkpointing"])),
         ("per rank, terms:", None),
-        ("model states (weights, gradients, optimizer)", g(p["device_bytes_model_states"])),
+        ("model states on the device", g(p["model_states_device_bytes"])),
         ("held for backward, checkpointing only", g(p["device_bytes_checkpointing"])),
         ("held for backward, with hsoffload", g(p["device_bytes_offload"])),
         ("one layer's saved tensors (recompute)", g(p["term_layer_saved_bytes"])),
@@ -390,8 +486,9 @@ def format_plan(p: dict[str, Any]) -> str:
         ("head: saved / forward / backward in flight",
          f"{g(p['term_head_saved_bytes'])} / {g(p['term_head_forward_bytes'])} / {g(p['term_head_backward_bytes'])}"),
         ("per node, in host memory:", None),
+        ("model states, all ranks (pinned)", g(p["model_states_host_bytes_per_node"])),
         ("offloaded, all ranks", g(p["offloaded_bytes_per_rank"] * p["local_world_size"])),
-        (f"host budget (80 % of {g(p['host_ram_bytes'])})", g(p["host_budget_bytes_per_node"])),
+        (f"host budget (80 % of {g(p['host_ram_bytes'])} - model states)", g(p["host_budget_bytes_per_node"])),
         ("in host memory", g(p["host_bytes_per_node"])),
         ("to spill_dir", g(p["spill_bytes_per_node"])),
         ("per layer:", None),
@@ -464,14 +561,19 @@ def max_seq(inp: PlanInput, step: int = 1024) -> dict[str, Any]:
     shape = model_shape(inp.config)
     base = setup_of(dataclasses.replace(inp, seq_len=math.lcm(step, inp.sequence_parallel)), shape)
     device_bytes = inp.device_bytes if inp.device_bytes is not None else default_device_bytes()
-    sp = max([1] + [d for d in (2, 4, 8, 16, 32, 64) if d <= inp.world_size and shape.heads % d == 0])
+    sp = max([1] + [d for d in (2, 4, 8, 16, 32, 64) if d <= inp.world_size and _degree_allowed(shape, base, d)])
     tiles = 0  # hidden-size chunks at each length (ALST's choice)
     combos: list[tuple[str, dict[str, Any]]] = [("as given", {})]
     combos.append(("+ chunked loss", {"chunked_loss": True}))
     combos.append(("+ chunked loss + tiled MLP", {"chunked_loss": True, "tiled_mlp": tiles}))
+    last_label, last = combos[-1]
     if sp > 1:
-        combos.append((f"+ chunked loss + tiled MLP + sequence parallel {sp}",
-                       {"chunked_loss": True, "tiled_mlp": tiles, "sequence_parallel": sp}))
+        last_label, last = (f"+ chunked loss + tiled MLP + sequence parallel {sp}",
+                            {"chunked_loss": True, "tiled_mlp": tiles, "sequence_parallel": sp})
+        combos.append((last_label, last))
+    if base.cpu_offload != "params":
+        combos.append((f"{last_label} + model states on host", {**last, "cpu_offload": "params"}))
+    local = inp.local_world_size or min(inp.world_size, 8)
     rows = []
     for label, change in combos:
         row: dict[str, Any] = {"knobs": label}
@@ -482,6 +584,8 @@ def max_seq(inp: PlanInput, step: int = 1024) -> dict[str, Any]:
             unit = math.lcm(step, s.sequence_parallel)
             longest = _longest(shape, s, device_bytes, unit, auto_tiles=change.get("tiled_mlp") == 0)
             row[column] = longest
+            if column == "hsoffload" and inp.host_ram_bytes is not None:
+                row["hsoffload_host_limit"] = host_limit(shape, s, inp.host_ram_bytes, local, unit)
             if longest:
                 at = dataclasses.replace(s, seq_len=longest, tiled_mlp=_auto_tiles(shape, s, longest)
                                          if change.get("tiled_mlp") == 0 else s.tiled_mlp)
@@ -489,11 +593,14 @@ def max_seq(inp: PlanInput, step: int = 1024) -> dict[str, Any]:
                 row[f"{column}_peak_bytes"] = phase.total
                 row[f"{column}_dominant_term"] = dominant
         rows.append(row)
-    states = (pm.weights_bytes(shape, base) + pm.gradients_bytes(shape, base) + pm.optimizer_state_bytes(shape, base))
+    on_host = dataclasses.replace(base, cpu_offload="params")
     return {"model_type": shape.model_type, "device_bytes": device_bytes, "world_size": inp.world_size,
-            "model_states_bytes": states,
+            "model_states_device_bytes": pm.model_states_device_bytes(shape, base),
+            "model_states_host_bytes_per_node": pm.model_states_host_bytes(shape, on_host) * local,
+            "cpu_offload": base.cpu_offload, "fused_kernels": base.fused_kernels,
+            "sequence_parallel_kind": base.sequence_parallel_kind,
             "micro_batch": inp.micro_batch, "dtype": inp.dtype, "attn": base.attn, "policy": base.offload,
-            "step": step, "rows": rows}
+            "host_ram_bytes": inp.host_ram_bytes, "step": step, "rows": rows}
 
 
 def _auto_tiles(shape: pm.ModelShape, s: pm.Setup, seq: int) -> int:
@@ -508,17 +615,30 @@ def format_max_seq(r: dict[str, Any]) -> str:
             return "none fits"
         return f"{n:,} ({row[f'{col}_peak_bytes'] / _GIB:,.1f} GiB, {row[f'{col}_dominant_term']})"
 
+    given = "".join([f", {r['fused_kernels']} kernels" if r["fused_kernels"] != "none" else "",
+                     f", {_CPU_OFFLOAD[r['cpu_offload']]}" if r["cpu_offload"] != "none" else "",
+                     f", sequence parallelism {_SEQUENCE_PARALLEL_KINDS[r['sequence_parallel_kind']]}"
+                     if r["world_size"] > 1 else ""])
     header = (f"hsoffload plan --max-seq: {r['model_type']}, {r['dtype']}, micro-batch {r['micro_batch']}, "
-              f"{r['world_size']} ranks, {r['device_bytes'] / _GIB:,.0f} GiB per device, attn {r['attn']}; longest "
+              f"{r['world_size']} ranks, {r['device_bytes'] / _GIB:,.1f} GiB per device, attn {r['attn']}{given}; longest "
               f"sequence that fits (multiples of {r['step']:,}), with the peak and its dominant term")
     width = max(len(row["knobs"]) for row in r["rows"]) + 2
     col = max([len("checkpointing only")] + [len(cell(row, c)) for row in r["rows"]
                                             for c in ("checkpointing", "hsoffload")]) + 2
-    lines = [header, f"  {'knobs':<{width}}{'checkpointing only':<{col}}hsoffload ({r['policy']})"]
+    with_host = r["host_ram_bytes"] is not None
+    hs_title = f"hsoffload ({r['policy']})"
+    lines = [header, f"  {'knobs':<{width}}{'checkpointing only':<{col}}{hs_title:<{col if with_host else 0}}"
+                     + (f"host RAM, no spill ({r['host_ram_bytes'] / _GIB:,.0f} GiB per node)" if with_host else "")]
     for row in r["rows"]:
-        lines.append(f"  {row['knobs']:<{width}}{cell(row, 'checkpointing'):<{col}}{cell(row, 'hsoffload')}")
+        host = f"{row['hsoffload_host_limit']:,}" if with_host and row["hsoffload_host_limit"] else "none fits"
+        lines.append(f"  {row['knobs']:<{width}}{cell(row, 'checkpointing'):<{col}}"
+                     + (f"{cell(row, 'hsoffload'):<{col}}{host}" if with_host else cell(row, "hsoffload")))
     if not any(row["hsoffload"] for row in r["rows"]):
         lines.append(f"  the model states alone (weights, gradients, optimizer states: "
-                     f"{r['model_states_bytes'] / _GIB:,.1f} GiB per rank) leave no room: shard them over more ranks "
-                     "(--world-size) or pick a lighter optimizer")
+                     f"{r['model_states_device_bytes'] / _GIB:,.1f} GiB per rank) leave no room: shard them over more "
+                     "ranks (--world-size), pick a lighter optimizer, or move them to the host (--cpu-offload)")
+    elif any(row["knobs"].endswith("model states on host") for row in r["rows"]):
+        lines.append(f"  model states on host: weights, gradients and optimizer states in pinned host memory "
+                     f"(--cpu-offload params: {r['model_states_host_bytes_per_node'] / _GIB:,.1f} GiB per node, "
+                     "beside what hsoffload offloads; check the host side with --seq-len N)")
     return "\n".join(lines)

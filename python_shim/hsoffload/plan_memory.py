@@ -25,12 +25,21 @@ within 10 % on tiny Llama, Qwen3 and Qwen3-MoE models. What they assume:
   flight); ``eager``: transformers' eager attention (float32 softmax, the 4-D additive mask alive through the step).
 - The loss: transformers' ForCausalLMLoss (logits upcast to float32, log_softmax saved), or with ``chunked_loss`` a
   fused linear cross-entropy in chunks of Liger's size (logits never materialised, input gradient made in forward).
-- Sequence parallelism is Ulysses-style: tokens per rank = micro_batch * seq / D; attention sees the whole sequence
-  for heads / D heads, plus one all-to-all buffer of q, k, v and the output.
+- Sequence parallelism (tokens per rank = micro_batch * seq / D), of two kinds: Ulysses (DeepSpeed, ALST) lets
+  attention see the whole sequence for heads / D heads, plus one all-to-all buffer of q, k, v and the output (key/value
+  heads fewer than D replicated); ring attention (torch's context parallel) keeps each rank's queries and passes
+  key/value chunks round (two in flight, their gradients in backward, a float32 merge of the partial outputs).
 - ``tiled_mlp`` N: the MLP runs in N sequence chunks and saves only its input (ALST's TiledMLP), recomputing each
   chunk in backward.
 - FSDP (``fsdp`` and world_size > 1) shards weights, gradients and optimizer states; the layer being computed and
   one prefetched are gathered whole, and one layer's unsharded gradients exist before their reduce-scatter.
+- Model states on the host (``cpu_offload``): "optimizer" leaves the weights and gradients on the device and puts
+  the optimizer states, float32 masters and float32 gradients in pinned host memory (the step on the CPU);
+  "params" also the weights (the device keeps the root's embedding and head, two gathered layers and one layer's
+  gradients in flight).
+- ``fused_kernels`` "liger": Liger's RMSNorm (saves its input and a float32 inverse RMS per row), SwiGLU (saves gate
+  and up; the product is down_proj's input) and fused linear cross-entropy (the chunked loss), from their autograd
+  functions; MoE expert MLPs are left as transformers' loop.
 - Offload (policy ``hidden_states``/``sac``): what backward holds stays on the device for the layer in backward,
   ``prefetch_depth`` restored ahead, one being copied in forward, and the last ``keep_last_layers``. Policy ``all``
   (no checkpointing): every layer's saved tensors, with the same window; the head's stay on the device.
@@ -49,9 +58,21 @@ F32 = 4
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash", "math", "eager")
 # Optimizer state per parameter: bytes, or None for "two moments in the parameter's dtype" (torch.optim.AdamW on
 # bf16 parameters without float32 master weights).
-OPTIMIZERS: dict[str, Optional[int]] = {"adamw": 8, "adam": 8, "adamw_param_dtype": None, "adamw8bit": 2, "sgd": 0,
+# "adamw_master": DeepSpeed's bf16/fp16 mixed precision on the device: float32 master weights beside the two moments.
+OPTIMIZERS: dict[str, Optional[int]] = {"adamw": 8, "adam": 8, "adamw_master": 12, "adamw_param_dtype": None,
+                                        "adamw8bit": 2, "sgd": 0,
                                         "sgd_momentum": 4}
 OFFLOAD_POLICIES = ("hidden_states", "sac", "all")
+# Model states on the host: "optimizer" (optimizer states, float32 master weights and float32 gradients there, the
+# step on the CPU: ZeRO-Offload's offload_optimizer), "params" (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3
+# offload_param; the device holds only the layers gathered for compute).
+CPU_OFFLOAD = ("none", "optimizer", "params")
+# Fused kernels that change what is saved: "liger" (Liger's RMSNorm, SwiGLU and fused linear cross-entropy, as TRL's
+# use_liger_kernel or Axolotl's liger_* keys turn them on).
+FUSED_KERNELS = ("none", "liger")
+# Sequence parallelism: "ulysses" (DeepSpeed Ulysses / ALST: all-to-all to whole sequences for heads / D heads),
+# "ring" (ring attention, torch's context parallel: each rank keeps its queries and passes key/value chunks round).
+SEQUENCE_PARALLEL_KINDS = ("ulysses", "ring")
 
 
 class PlanError(ValueError):
@@ -210,6 +231,22 @@ class Setup:
     prefetch_depth: int = 1
     optimizer: str = "adamw"
     selective_checkpointing: bool = False  # a SAC policy keeps the projections' outputs (policy "sac" offloads them)
+    cpu_offload: str = "none"  # one of CPU_OFFLOAD
+    fused_kernels: str = "none"  # one of FUSED_KERNELS ("liger" implies chunked_loss: its fused linear cross-entropy)
+    sequence_parallel_kind: str = "ulysses"  # one of SEQUENCE_PARALLEL_KINDS
+
+    @property
+    def liger(self) -> bool:
+        return self.fused_kernels == "liger"
+
+    @property
+    def states_on_host(self) -> bool:
+        """Optimizer states (and with "params" the weights and gradients) live on the host; the step runs there."""
+        return self.cpu_offload != "none"
+
+    @property
+    def params_on_host(self) -> bool:
+        return self.cpu_offload == "params"
 
     @property
     def tokens(self) -> int:
@@ -230,9 +267,17 @@ class Setup:
         if self.sequence_parallel > self.world_size:
             raise PlanError(f"hsoffload plan: --sequence-parallel {self.sequence_parallel} needs at least that many "
                             f"ranks, got --world-size {self.world_size}")
-        if self.sequence_parallel > 1 and shape.heads % self.sequence_parallel:
-            raise PlanError(f"hsoffload plan: Ulysses sequence parallelism splits the {shape.heads} attention heads; "
-                            f"--sequence-parallel {self.sequence_parallel} does not divide them")
+        self.check_sequence_parallel(shape)
+        for name, value, allowed in (("cpu_offload", self.cpu_offload, CPU_OFFLOAD),
+                                     ("fused_kernels", self.fused_kernels, FUSED_KERNELS),
+                                     ("sequence_parallel_kind", self.sequence_parallel_kind,
+                                      SEQUENCE_PARALLEL_KINDS)):
+            if value not in allowed:
+                raise PlanError(f"hsoffload plan: --{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                                f"got {value!r}")
+        if self.liger and not self.chunked_loss:
+            raise PlanError("hsoffload plan: --fused-kernels liger includes Liger's fused linear cross-entropy: "
+                            "it needs chunked_loss (set by the CLI)")
         if self.attn not in ATTENTION_IMPLEMENTATIONS:
             raise PlanError(f"hsoffload plan: --attn must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got "
                             f"{self.attn!r}")
@@ -250,23 +295,65 @@ class Setup:
         if self.tiled_mlp > self.tokens:
             raise PlanError(f"hsoffload plan: --tiled-mlp {self.tiled_mlp} exceeds the {self.tokens} tokens per rank")
 
+    def check_sequence_parallel(self, shape: ModelShape) -> None:
+        """Ulysses gives each rank heads / D whole heads: D must divide the attention heads, and the key/value heads
+        must divide by D or D by them (DeepSpeed replicates key/value heads when there are fewer than D). Ring
+        attention splits no heads, but needs SDPA's fused kernels."""
+        d = self.sequence_parallel
+        if d == 1:
+            return
+        if self.sequence_parallel_kind == "ring":
+            if self.attn not in ("sdpa", "flash"):
+                raise PlanError(f"hsoffload plan: ring attention (--sequence-parallel-kind ring) runs SDPA's fused "
+                                f"kernels chunk by chunk; --attn {self.attn} is not one: use --attn sdpa or flash")
+            if self.seq_len % (2 * d):
+                raise PlanError(f"hsoffload plan: ring attention splits the sequence into 2 x {d} chunks (load "
+                                f"balance of the causal mask); --seq-len {self.seq_len} is not a multiple of {2 * d}")
+            return
+        if shape.heads % d:
+            raise PlanError(f"hsoffload plan: Ulysses sequence parallelism gives each rank heads / D whole attention "
+                            f"heads; --sequence-parallel {d} does not divide the {shape.heads} heads: pick a "
+                            f"divisor of {shape.heads}, or --sequence-parallel-kind ring")
+        if shape.kv_heads % d and d % shape.kv_heads:
+            raise PlanError(f"hsoffload plan: Ulysses sequence parallelism needs the {shape.kv_heads} key/value heads "
+                            f"divisible by --sequence-parallel {d} or {d} divisible by them (DeepSpeed replicates "
+                            f"key/value heads only by a whole factor): pick another degree, or "
+                            f"--sequence-parallel-kind ring")
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Model states
 
 
+def root_parameters(shape: ModelShape) -> int:
+    """Parameters outside the decoder layers: the embedding, the head (when untied) and the final norm."""
+    return shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) + shape.hidden
+
+
 def weights_bytes(shape: ModelShape, s: Setup) -> int:
-    """The parameters, in the training dtype, this rank's shard."""
+    """The parameters on the device, in the training dtype: this rank's shard; with the weights on the host
+    (cpu_offload "params") only the root module's (embedding, head, final norm), which FSDP2 keeps gathered from the
+    root's forward to its backward (the decoder layers' are counted in `fsdp_gathered_bytes`)."""
+    if s.params_on_host:
+        return root_parameters(shape) * s.dtype_bytes
     return shape.parameters() * s.dtype_bytes // s.shards
 
 
 def gradients_bytes(shape: ModelShape, s: Setup) -> int:
-    """Every parameter's gradient (this rank's shard), as at the optimizer step."""
+    """Every parameter's gradient on the device (this rank's shard), as at the optimizer step. With the optimizer on
+    the host the gradients are still made on the device and copied out from there (counted, an upper bound:
+    ZeRO-Offload streams them out in buckets during backward); with the weights on the host each layer's gradient
+    leaves right after its reduce-scatter (0 here; `fsdp_unsharded_gradient_bytes` counts the one in flight)."""
+    if s.params_on_host:
+        return 0
     return shape.parameters() * s.dtype_bytes // s.shards
 
 
 def optimizer_state_bytes(shape: ModelShape, s: Setup) -> int:
-    """Optimizer states (AdamW: two float32 moments per parameter), this rank's shard."""
+    """Optimizer states on the device (AdamW: two float32 moments per parameter), this rank's shard; 0 when they
+    live on the host."""
+    if s.states_on_host:
+        return 0
     return shape.parameters() * _state_bytes_per_parameter(s) // s.shards
 
 
@@ -276,28 +363,64 @@ def _state_bytes_per_parameter(s: Setup) -> int:
 
 
 def optimizer_step_bytes(shape: ModelShape, s: Setup) -> int:
-    """Temporaries of the update: torch's foreach AdamW allocates one moment-sized tensor list (sqrt(v) + eps)."""
-    return shape.parameters() * (_state_bytes_per_parameter(s) // 2) // s.shards
+    """Temporaries of the update: torch's foreach AdamW allocates one moment-sized tensor list (sqrt(v) + eps);
+    none on the device when the step runs on the host (the updated weights are copied back in place)."""
+    if s.states_on_host:
+        return 0
+    moment = F32 if s.optimizer == "adamw_master" else _state_bytes_per_parameter(s) // 2
+    return shape.parameters() * moment // s.shards
+
+
+def host_state_bytes_per_parameter(s: Setup) -> int:
+    """Pinned host bytes per parameter with model states on the host (DeepSpeed's accounting): the optimizer states,
+    float32 gradients and float32 master weights (the weights themselves in a float32 run); with cpu_offload "params"
+    also the weights in a narrower training dtype (ZeRO-3 offload_param keeps them; FSDP2's CPUOffloadPolicy casts
+    the float32 shard at the all-gather instead: 2 B less per parameter in bf16)."""
+    if not s.states_on_host:
+        return 0
+    master = 0 if s.optimizer == "adamw_master" else F32  # counted in its states already
+    per = _state_bytes_per_parameter(s) + F32 + master
+    if s.params_on_host and s.dtype_bytes < F32:
+        per += s.dtype_bytes
+    return per
+
+
+def model_states_host_bytes(shape: ModelShape, s: Setup) -> int:
+    """This rank's model states in (pinned) host memory: its shard of every parameter's host bytes."""
+    return shape.parameters() * host_state_bytes_per_parameter(s) // s.shards
+
+
+def model_states_device_bytes(shape: ModelShape, s: Setup) -> int:
+    """This rank's model states on the device at the optimizer step: weights, gradients and optimizer states."""
+    return weights_bytes(shape, s) + gradients_bytes(shape, s) + optimizer_state_bytes(shape, s)
 
 
 def fsdp_gathered_bytes(shape: ModelShape, s: Setup) -> int:
-    """Under FSDP: the layer being computed and one prefetched, gathered whole (weights in the training dtype)."""
-    if s.shards == 1:
+    """Under FSDP, or with the weights on the host: the layer being computed and one prefetched, gathered whole
+    (weights in the training dtype)."""
+    if s.shards == 1 and not s.params_on_host:
         return 0
     return 2 * shape.largest_layer_parameters() * s.dtype_bytes
 
 
 def fsdp_unsharded_gradient_bytes(shape: ModelShape, s: Setup) -> int:
-    """Under FSDP: one layer's full gradients before their reduce-scatter."""
-    return shape.largest_layer_parameters() * s.dtype_bytes if s.shards > 1 else 0
+    """Under FSDP, or with the weights on the host: one layer's full gradients before their reduce-scatter (and,
+    with the weights on the host, before their copy out)."""
+    return shape.largest_layer_parameters() * s.dtype_bytes if s.shards > 1 or s.params_on_host else 0
 
 
 def layer_gradient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    """One layer's gradients kept on the device until the optimizer step (0 with the weights on the host)."""
+    if s.params_on_host:
+        return 0
     return shape.layer_parameters(moe) * s.dtype_bytes // s.shards
 
 
 def head_gradient_bytes(shape: ModelShape, s: Setup) -> int:
-    """Gradients of the output head and final norm (made in head backward; the embedding's come last)."""
+    """Gradients of the output head and final norm (made in head backward; the embedding's come last); with the
+    weights on the host the root's are whole (its parameters are gathered) until they are copied out."""
+    if s.params_on_host:
+        return (shape.vocab * shape.hidden + shape.hidden) * s.dtype_bytes
     return (shape.vocab * shape.hidden + shape.hidden) * s.dtype_bytes // s.shards
 
 
@@ -318,6 +441,24 @@ def norm_saved_bytes(width: int, tokens: int, b: int, with_input: bool = False, 
     else)."""
     saved = tokens * width * ((2 if output_saved else 1) * b + (F32 if b < F32 else 0))
     return saved + (tokens * width * b if with_input and b >= F32 else 0)
+
+
+def liger_norm_saved_bytes(width: int, rows: int, tokens: int, b: int, input_held: bool,
+                           output_saved: bool = True) -> int:
+    """What Liger's RMSNorm saves (LigerRMSNormFunction: its input X in the dtype, the weight, one float32 inverse
+    RMS per row), plus its output when the next op saves it; the input only when no one else holds it already (a
+    checkpointed layer's input is held as that)."""
+    saved = rows * F32 + (tokens * width * b if output_saved else 0)
+    return saved + (0 if input_held else tokens * width * b)
+
+
+def norm_bytes(width: int, s: Setup, with_input: bool = False, output_saved: bool = True) -> int:
+    """One RMSNorm over `width` per token: transformers' (`norm_saved_bytes`) or Liger's (`liger_norm_saved_bytes`,
+    one row per token) as `s.fused_kernels` says; `with_input`: its input is held by no one else."""
+    if s.liger:
+        return liger_norm_saved_bytes(width, s.tokens, s.tokens, s.dtype_bytes, input_held=not with_input,
+                                      output_saved=output_saved)
+    return norm_saved_bytes(width, s.tokens, s.dtype_bytes, with_input=with_input, output_saved=output_saved)
 
 
 def sac_elements_per_token(shape: ModelShape) -> int:
@@ -354,7 +495,12 @@ def attention_saved_bytes(shape: ModelShape, s: Setup) -> int:
     t, b = s.tokens, s.dtype_bytes
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     # QK-norm's output goes into RoPE, whose products save only cos and sin (which need no gradient)
-    qk_norm = norm_saved_bytes(q + kv, t, b, with_input=True, output_saved=False) if shape.qk_norm else 0
+    qk_norm = 0
+    if shape.qk_norm and s.liger:  # its input is the projection's output, held by no one else; one row per head
+        qk_norm = liger_norm_saved_bytes(q + kv, t * (shape.heads + shape.kv_heads), t, b, input_held=False,
+                                         output_saved=False)
+    elif shape.qk_norm:
+        qk_norm = norm_saved_bytes(q + kv, t, b, with_input=True, output_saved=False)
     if s.attn in ("sdpa", "flash"):
         # q, k, v (GQA's k and v not repeated), the output (tokens-major already: making it contiguous for o_proj
         # copies nothing, so o_proj saves the same tensor), logsumexp
@@ -393,15 +539,36 @@ def attention_backward_transient_bytes(shape: ModelShape, s: Setup) -> int:
 
 
 def ulysses_buffer_bytes(shape: ModelShape, s: Setup) -> int:
-    """Ulysses sequence parallelism: one all-to-all buffer of q, k, v and the output, on top of their tensors."""
-    if s.sequence_parallel == 1:
+    """Ulysses sequence parallelism: one all-to-all buffer of q, k, v and the output, on top of their tensors; key/value
+    heads fewer than D are replicated to D first (DeepSpeed's UlyssesSPAttentionHF), so k and v count max(kv heads,
+    D) heads."""
+    if s.sequence_parallel == 1 or s.sequence_parallel_kind != "ulysses":
         return 0
-    return s.tokens * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim * s.dtype_bytes
+    kv_heads = max(shape.kv_heads, s.sequence_parallel)
+    return s.tokens * (2 * shape.heads + 2 * kv_heads) * shape.head_dim * s.dtype_bytes
+
+
+def ring_buffer_bytes(shape: ModelShape, s: Setup) -> int:
+    """Ring attention (torch's context parallel): the key/value chunk being used and the one being received (each
+    tokens-per-rank long, key/value heads), and in backward also their gradients travelling with them (counted
+    once: the larger of the two phases, an upper bound for both); the partial outputs are merged in float32 (one
+    output-sized float32 accumulator and its logsumexp)."""
+    if s.sequence_parallel == 1 or s.sequence_parallel_kind != "ring":
+        return 0
+    t, b = s.tokens, s.dtype_bytes
+    kv_chunk = t * 2 * shape.kv_heads * shape.head_dim * b
+    merge = t * shape.heads * (shape.head_dim + 1) * F32
+    return 2 * kv_chunk + 2 * kv_chunk + merge
+
+
+def sequence_parallel_buffer_bytes(shape: ModelShape, s: Setup) -> int:
+    """The communication buffers of whichever sequence parallelism runs (0 without)."""
+    return ulysses_buffer_bytes(shape, s) + ring_buffer_bytes(shape, s)
 
 
 def mlp_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """What the MLP saves for backward. Dense gated MLP: gate, act(gate), up, their product (4 x intermediate per
-    token). MoE (transformers' expert loop): per routed token the gathered input, gate_up, act, product, the
+    token; Liger's SwiGLU saves gate and up only, recomputing act in backward, and down_proj the product: 3). MoE (transformers' expert loop): per routed token the gathered input, gate_up, act, product, the
     expert's output and its weighted output (which `index_add_`'s backward keeps for its shape), plus the router's
     float32 probabilities and a shared expert. With tiled_mlp N only the input is saved (each chunk is recomputed
     in backward)."""
@@ -409,11 +576,32 @@ def mlp_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     if s.tiled_mlp > 1:
         return t * shape.hidden * b
     if not moe:
-        return 4 * t * shape.intermediate * b
+        return (3 if s.liger else 4) * t * shape.intermediate * b
     routed = t * shape.experts_per_token * (3 * shape.hidden + 4 * shape.expert_intermediate) * b
     router = t * shape.experts * (b + F32)
     shared = 4 * t * shape.shared_expert_intermediate * b
     return routed + router + shared
+
+
+def moe_routing_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    """The routed-token bookkeeping of an MoE block's forward (transformers' expert loop), alive while its experts
+    run and freed with it: the int64 one-hot expert mask (tokens x experts-per-token x (experts + 1)), the top-k
+    indices (int64) and weights (the dtype), and the output accumulator the routed tokens are added into."""
+    if not moe:
+        return 0
+    t, k = s.tokens, shape.experts_per_token
+    return t * k * (shape.experts + 1) * 8 + t * k * (8 + s.dtype_bytes) + hidden_bytes(shape, s)
+
+
+def mlp_forward_live_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    """The MLP's tensors alive at once in a forward without grad (checkpointing's first forward). Dense: three
+    intermediates (eager: act, up and their product, gate freed; Liger's SwiGLU: gate, up and the product), one
+    chunk's when tiled. MoE: three quarters of what it would save, and its routing bookkeeping."""
+    t, b = s.tokens, s.dtype_bytes
+    if not moe:
+        return 3 * t * shape.intermediate * b // max(1, s.tiled_mlp)
+    saved = mlp_chunk_bytes(shape, s, moe) if s.tiled_mlp > 1 else mlp_saved_bytes(shape, s, moe)
+    return saved * 3 // 4 + moe_routing_bytes(shape, s, moe)
 
 
 def mlp_chunk_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
@@ -424,15 +612,17 @@ def mlp_chunk_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
 
 def mlp_backward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """Gradients in flight in the MLP's backward: the product's, then act's and up's (two intermediates more than
-    it saves, per chunk when tiled); MoE: also one expert's weight gradient made full-size by indexing the stacked
+    it saves, per chunk when tiled; Liger's SwiGLU writes gate's and up's gradients into their saved tensors: one);
+    MoE: also one expert's weight gradient made full-size by indexing the stacked
     expert weights (select backward) before it is accumulated."""
     t, b = s.tokens, s.dtype_bytes
     inter = shape.intermediate if not moe else shape.expert_intermediate
     routed_tokens = t if not moe else t * shape.experts_per_token // max(1, shape.experts)
+    grads = 1 if s.liger and not moe else 2
     if s.tiled_mlp > 1:
-        extra = 2 * t * inter * b // s.tiled_mlp + mlp_chunk_bytes(shape, s, moe)
+        extra = grads * t * inter * b // s.tiled_mlp + mlp_chunk_bytes(shape, s, moe)
     else:
-        extra = 2 * routed_tokens * inter * b
+        extra = grads * routed_tokens * inter * b
     if moe:
         extra += 3 * shape.hidden * shape.expert_intermediate * shape.experts * b
     return extra
@@ -441,37 +631,39 @@ def mlp_backward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
 def layer_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """Everything one decoder layer saves for backward, its input excluded: what it holds without checkpointing,
     and what its recompute materialises with it."""
-    t, b = s.tokens, s.dtype_bytes
-    norms = shape.norms_per_layer * norm_saved_bytes(shape.hidden, t, b)
+    b = s.dtype_bytes
+    norms = shape.norms_per_layer * norm_bytes(shape.hidden, s)
     # The attention block's residual sum, the second norm's input: saved by it in float32; in a narrower dtype the
-    # norm saves its float32 copy (counted in `norms`) and the sum itself is held by no one.
-    mid_residual = t * shape.hidden * b if b >= F32 else 0
+    # norm saves its float32 copy (counted in `norms`) and the sum itself is held by no one; Liger's norm saves it.
+    mid_residual = hidden_bytes(shape, s) if b >= F32 or s.liger else 0
     return norms + mid_residual + attention_saved_bytes(shape, s) + mlp_saved_bytes(shape, s, moe)
 
 
 def layer_backward_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """The most one layer's backward (after its recompute) has on the device, its input excluded. Autograd frees each
     node's saved tensors once it ran, so the MLP's are gone when attention's backward runs: the larger of
-    (everything saved + the MLP's gradients in flight) and (first norm + attention saved + attention's gradients in
-    flight), each with the two residual gradients (of the layer's output and of its mid residual)."""
-    t, b = s.tokens, s.dtype_bytes
+    (everything saved + the MLP's gradients in flight, or an MoE recompute's routing bookkeeping) and (first norm +
+    attention saved + attention's gradients in flight), each with the two residual gradients (of the layer's output
+    and of its mid residual)."""
     residual_grads = 2 * hidden_bytes(shape, s)
-    mlp_stage = layer_saved_bytes(shape, s, moe) + mlp_backward_transient_bytes(shape, s, moe)
-    attention_stage = (norm_saved_bytes(shape.hidden, t, b) + attention_saved_bytes(shape, s)
-                       + attention_backward_transient_bytes(shape, s) + ulysses_buffer_bytes(shape, s))
+    mlp_stage = layer_saved_bytes(shape, s, moe) + max(mlp_backward_transient_bytes(shape, s, moe),
+                                                       moe_routing_bytes(shape, s, moe))
+    attention_stage = (norm_bytes(shape.hidden, s) + attention_saved_bytes(shape, s)
+                       + attention_backward_transient_bytes(shape, s) + sequence_parallel_buffer_bytes(shape, s))
     return max(mlp_stage, attention_stage) + residual_grads
 
 
 def layer_forward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """The most one layer's forward has in flight beyond what it saves. With checkpointing nothing is saved in the
     first forward: the layer's tensors come and go, the largest set being attention's (its would-be saved tensors
-    and transients) or the MLP's (without grad: act, up and their product, three quarters of what it would save;
-    one chunk's when tiled)."""
-    extra = attention_forward_transient_bytes(shape, s) + ulysses_buffer_bytes(shape, s) + hidden_bytes(shape, s)
+    and transients) or the MLP's (`mlp_forward_live_bytes`). Without checkpointing: attention's transients, or an
+    MoE block's routing bookkeeping."""
+    extra = (attention_forward_transient_bytes(shape, s) + sequence_parallel_buffer_bytes(shape, s)
+             + hidden_bytes(shape, s))
     if s.checkpointing:
-        mlp = (mlp_chunk_bytes(shape, s, moe) if s.tiled_mlp > 1 else mlp_saved_bytes(shape, s, moe)) * 3 // 4
-        return max(attention_saved_bytes(shape, s) + extra, mlp + hidden_bytes(shape, s))
-    return extra
+        return max(attention_saved_bytes(shape, s) + extra, mlp_forward_live_bytes(shape, s, moe)
+                   + hidden_bytes(shape, s))
+    return max(extra, moe_routing_bytes(shape, s, moe))
 
 
 def held_per_layer_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
@@ -502,7 +694,7 @@ def logits_bytes(shape: ModelShape, s: Setup) -> int:
 def head_saved_bytes(shape: ModelShape, s: Setup) -> int:
     """What the head saves for backward: the final norm's tensors and input, and the loss's float32 log-probabilities
     (with a chunked loss: the input's gradient, computed in forward)."""
-    norm = norm_saved_bytes(shape.hidden, s.tokens, s.dtype_bytes, with_input=True)
+    norm = norm_bytes(shape.hidden, s, with_input=True)
     if s.chunked_loss:
         return norm + hidden_bytes(shape, s)
     return norm + s.tokens * shape.vocab * F32
@@ -530,7 +722,7 @@ def head_backward_transient_bytes(shape: ModelShape, s: Setup) -> int:
 
 def head_parts(shape: ModelShape, s: Setup) -> dict[str, dict[str, int]]:
     """The head's bytes in its forward (at the loss) and backward phases, by part, for the phase table."""
-    norm = norm_saved_bytes(shape.hidden, s.tokens, s.dtype_bytes, with_input=True)
+    norm = norm_bytes(shape.hidden, s, with_input=True)
     if s.chunked_loss:
         saved = hidden_bytes(shape, s)
         return {"forward": {"final_norm": norm, "chunked_loss": saved + head_forward_transient_bytes(shape, s)},
@@ -605,7 +797,7 @@ def phases(shape: ModelShape, s: Setup) -> list[Phase]:
     head_grads = head_gradient_bytes(shape, s)
     add("head backward", **base, gradients=head_grads, held_for_backward=all_held, attention_mask=persistent_mask,
         **head["backward"])
-    grads = head_grads
+    grads = 0 if s.params_on_host else head_grads  # with the weights on the host the head's leave after its backward
     for i in reversed(range(shape.layers)):
         grads += layer_gradient_bytes(shape, s, moe_flags[i])
         held_now = sum(held[j] for j in _device_layers(s, shape.layers, i, True) if j < i or s.checkpointing)
