@@ -5,6 +5,7 @@ Thread-safety: stateless apart from `log_once`'s process-wide set of logged keys
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Optional
 
 import torch
@@ -14,10 +15,38 @@ from .policy import Policy, marks_layer_inputs
 from .targets import checkpoint_function, checkpoint_wrapper_class, layer_class, uses_reentrant
 
 
+# Set once a bypass reason was logged in this process: the scope's "none was marked" warning (which advises marking
+# and patching) would then contradict the reason given.
+_bypass_reported = threading.Event()
+
+
+def bypass_reported() -> bool:
+    """Whether this process logged why a checkpointed layer's inputs cannot be offloaded (a bypass reason)."""
+    return _bypass_reported.is_set()
+
+
+def _report_bypass(name: str, reason: str) -> None:
+    _bypass_reported.set()
+    log_once(f"bypass:{name}", logging.WARNING, "hsoffload: %s: %s.", name, reason)
+
+
 def bypass_reason(layer: torch.nn.Module) -> Optional[str]:
     """Why the offload hooks cannot see this layer's saved inputs, or None."""
     func, _ = checkpoint_function(layer)
     qualname = getattr(func, "__qualname__", "")
+    module = getattr(func, "__module__", None) or ""
+    if module == "deepspeed" or module.startswith("deepspeed."):
+        # deepspeed.checkpointing.checkpoint (DeepSpeed's activation checkpointing, also what Megatron-style models
+        # install) keeps the checkpoint's inputs on its autograd function's context, not as saved tensors.
+        return (
+            f"its gradient checkpointing function is DeepSpeed's ({module}.{qualname}), which keeps the layer inputs "
+            "on its own autograd context instead of autograd's saved tensors, so no saved-tensor hook (hsoffload's "
+            "included) ever sees them and nothing is offloaded; checkpoint with torch's instead: "
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) and do not "
+            "pass deepspeed.checkpointing.checkpoint as gradient_checkpointing_func (ZeRO stages work unchanged "
+            "with torch's checkpoint), or drop hsoffload and use DeepSpeed's own activation_checkpointing "
+            "cpu_checkpointing"
+        )
     if "gradient_checkpointing_enable" in qualname and "<locals>" in qualname:
         # transformers >= 5.x `gradient_checkpointing_enable(offload=True)`: the checkpoint runs
         # under torch's save_on_cpu, an inner saved-tensor hook that takes every input first.
@@ -43,7 +72,7 @@ def report_inactive(layer: torch.nn.Module) -> bool:
         return True
     reason = bypass_reason(layer)
     if reason is not None:
-        log_once(f"bypass:{name}", logging.WARNING, "hsoffload: %s: %s.", name, reason)
+        _report_bypass(name, reason)
         return True
     return False
 
@@ -148,7 +177,6 @@ def check_model(model: torch.nn.Module, policy: Policy = "hidden_states") -> int
         )
     bypassed = [m for m in checkpointed if bypass_reason(m) is not None]
     if bypassed:
-        name = type(bypassed[0]).__name__
-        log_once(f"bypass:{name}", logging.WARNING, "hsoffload: %s: %s.", name, bypass_reason(bypassed[0]))
+        _report_bypass(type(bypassed[0]).__name__, bypass_reason(bypassed[0]) or "")
     overriding_set = set(overriding)
     return sum(1 for m in checkpointed if m not in bypassed and type(m).__name__ not in overriding_set)

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
+
+from .passthrough import PassthroughCounters, Zero3Parameters
 
 if TYPE_CHECKING:
     from .layers import LayerTracker
@@ -125,13 +127,21 @@ class Selector:
         self._cpu = offload_cpu_tensors
         self._head = offload_output_head
         self.storages: set[int] = set()  # storage addresses of bound models' parameters and buffers
+        self.zero3 = Zero3Parameters()  # bound models' ZeRO-3 parameters (their storages change at every gather)
+        self.counters: Optional[PassthroughCounters] = None
 
     def movable(self, x: torch.Tensor) -> bool:
         """Worth a host copy at all: on the device (or CPU with offload_cpu_tensors), at least min_offload_size
         bytes, not a parameter or buffer. Shared by the pack-hook decision and policy "sac"'s cache."""
         if (x.is_cpu and not self._cpu) or x.numel() * x.element_size() < self._min:
             return False
-        return not is_parameter_or_view(x, self.storages)
+        if is_parameter_or_view(x, self.storages):
+            return False
+        if self.zero3 and self.zero3.aliases(x):
+            if self.counters is not None:
+                self.counters.bump("zero3_parameters")
+            return False
+        return True
 
     def __call__(self, x: torch.Tensor) -> bool:
         if torch._C._current_graph_task_id() != -1:

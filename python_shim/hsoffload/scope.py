@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import capture, current
+from . import capture, current, diagnostics
 from ._logging import log_once
 from .config import OffloadConfig
 from .cudagraphs import owned_by_cudagraph_tree
@@ -26,6 +26,7 @@ from .current import current_scope
 from .graph_tasks import GraphTaskWatch
 from .host import apply_host_budget, budget_stats, reserve_host
 from .layers import LayerStats, LayerTracker, reset_head_state_on_forward
+from .passthrough import BackwardSave, PassthroughCounters, PassthroughStats, in_backward
 from .policy import Selector, policy_name, track_module_names
 from . import sac
 from .sac import SacHandle, pack_sac_value, take_pending
@@ -114,7 +115,10 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         self._selector = Selector(
             c.policy, self.layer_tracker, c.min_offload_size, c.offload_cpu_tensors, c.offload_output_head
         )
+        self._passthrough = PassthroughCounters()
+        self._selector.counters = self._passthrough
         select = self._selector if c.policy != "hidden_states" else None
+        bump = self._passthrough.bump
         sac_state = sac.state
         owned_by_tree = owned_by_cudagraph_tree
         pack_sac_kept = self._pack_sac_kept
@@ -126,6 +130,9 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             pending = sac_state.pending  # a tensor the SAC cache keeps (torch >= 2.14 routes it here)
             if pending is not None and pending.claims(x):
                 return pack_sac_kept(x, pending)
+            if in_backward():  # never a new marked save, whatever it aliases (hsoffload.passthrough)
+                bump("backward_saves")
+                return BackwardSave(x)
             if type(x) in plain:
                 if select is not None and type(x) is torch.Tensor and select(x):
                     engine.mark(x)
@@ -181,6 +188,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 if type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.numel() > 0:
                     storages.add(t.untyped_storage().data_ptr())
         self._selector.storages = storages
+        self._selector.zero3.bind(p for model in list(self._bound_models) for p in model.parameters())
 
     @property
     def layer_stats(self) -> dict[str, LayerStats]:
@@ -367,7 +375,12 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 stats.skipped_marked_tensors,
                 self.config.min_offload_size,
             )
-        if stats.saved_tensors_seen > 0 and stats.marked_tensors == 0 and not _warned_unmarked.is_set():
+        if (
+            stats.saved_tensors_seen > 0
+            and stats.marked_tensors == 0
+            and not _warned_unmarked.is_set()
+            and not diagnostics.bypass_reported()  # the reason logged says what to do instead
+        ):
             _warned_unmarked.set()
             logger.warning(
                 "hsoffload: an offload scope saw %d saved tensors but none was marked, so nothing was offloaded. "
@@ -397,6 +410,12 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
     @property
     def stats(self) -> OffloadStats:
         return from_engine(OffloadStats, self._scope.stats())
+
+    @property
+    def passthrough_stats(self) -> PassthroughStats:
+        """Saved tensors kept in place without reaching the engine: saves during backward, ZeRO-3 parameters and
+        their aliases (hsoffload.passthrough)."""
+        return self._passthrough.snapshot()
 
     def spill_stats(self) -> dict[str, int]:
         """I/O counters of the spill store this scope writes to (all 0 without spill_dir), by name (`SpillStats`)."""

@@ -151,6 +151,21 @@ def test_zero3_reentrant_recompute_saves_are_not_marked(results: dict[str, Any])
 
 
 @needs_deepspeed
+def test_zero3_detached_alias_of_a_gathered_weight_passes_through(results: dict[str, Any]) -> None:
+    """Issue 28 item 3. Under ZeRO-3 the scope's parameter-storage set is empty (partitions have 0 elements), so a
+    detached alias of a gathered weight is recognised by the storages of the ZeRO-3 parameters gathered now: policy
+    "all" keeps it in place, counted once per layer per micro-batch, and offloads exactly what it offloads without
+    the alias (the hook's matmul input is the MLP's own, already offloaded)."""
+    res = _case(results, "zero3_policy_all_weight_alias")
+    plain = _case(results, "zero3_policy_all")
+    micro = len(res["after_forward"])
+    assert res["passthrough"]["zero3_parameters"] == W.LAYERS * micro
+    assert plain["passthrough"]["zero3_parameters"] == 0
+    offloaded = [(s["offloaded_tensors"], s["offloaded_bytes"]) for s in res["after_backward"]]
+    assert offloaded == [(s["offloaded_tensors"], s["offloaded_bytes"]) for s in plain["after_backward"]]
+
+
+@needs_deepspeed
 def test_deepspeed_leg_wall_time(results: dict[str, Any]) -> None:
     """The whole DeepSpeed launch stays within the CI budget issue 28 set (4 minutes on 2 cores)."""
     assert results["_wall_s"] < 240, f"the DeepSpeed launch took {results['_wall_s']:.0f} s"

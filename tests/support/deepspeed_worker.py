@@ -63,6 +63,7 @@ class Case:
     zero_init: bool = False
     zero_offload: bool = False
     policy: str = "hidden_states"
+    detached_weight_alias: bool = False  # each MLP also saves a detached alias of its gathered down_proj weight
 
 
 CASES = [
@@ -74,7 +75,15 @@ CASES = [
     Case("zero3_accumulation2", 3, True, accumulation=2),
     Case("zero3_offload", 3, False, zero_offload=True),
     Case("zero3_policy_all", 3, None, policy="all"),
+    Case("zero3_policy_all_weight_alias", 3, None, policy="all", detached_weight_alias=True),
 ]
+
+
+def _save_detached_weight_alias(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook on a Linear: adds 0 * (x @ W.detach().t()), so autograd saves a view of a detached alias of the
+    gathered ZeRO-3 weight (no ds_id on it, and no Parameter as its base: only its storage tells). Registered before
+    deepspeed.initialize, so it runs before ZeRO-3's hook frees the gathered weight."""
+    return output + 0.0 * torch.matmul(args[0], module.weight.detach().t())
 
 
 def _build_model(case: Case, ds_config: dict[str, Any]) -> torch.nn.Module:
@@ -97,6 +106,9 @@ def _build_model(case: Case, ds_config: dict[str, Any]) -> torch.nn.Module:
         model = transformers.AutoModelForCausalLM.from_config(config)
     if case.reentrant is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": case.reentrant})
+    if case.detached_weight_alias:
+        for layer in model.model.layers:
+            layer.mlp.down_proj.register_forward_hook(_save_detached_weight_alias)
     model.train()
     return model
 
