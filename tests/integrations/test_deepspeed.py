@@ -12,14 +12,17 @@ builds them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import hsoffload
 
@@ -169,3 +172,118 @@ def test_zero3_detached_alias_of_a_gathered_weight_passes_through(results: dict[
 def test_deepspeed_leg_wall_time(results: dict[str, Any]) -> None:
     """The whole DeepSpeed launch stays within the CI budget issue 28 set (4 minutes on 2 cores)."""
     assert results["_wall_s"] < 240, f"the DeepSpeed launch took {results['_wall_s']:.0f} s"
+
+
+# --------------------------------------------------------------------------- in process, without DeepSpeed
+
+from support import hf_tiny as H  # noqa: E402
+
+
+class _Alias(torch.autograd.Function):
+    """Returns its input as is: autograd hands out an alias of it whose grad_fn is this node, as ZeRO-3's module
+    hooks do with every module's inputs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _alias_inputs(_module: torch.nn.Module, args: tuple) -> tuple:
+    return tuple(_Alias.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+
+
+def _zero3_like_aliases(model: torch.nn.Module) -> torch.nn.Module:
+    """A forward pre-hook on every module of every decoder layer that aliases its tensor inputs through an autograd
+    function: a reentrant checkpoint's recompute then saves aliases *with a grad_fn* of the (kept) layer input."""
+    for layer in model.model.layers:
+        for module in layer.modules():
+            module.register_forward_pre_hook(_alias_inputs)
+    return model
+
+
+def test_backward_saves_of_a_layer_input_alias_are_not_marked() -> None:
+    """Issue 28 item 1 without DeepSpeed. Kept in place (offload_cpu_tensors=False), the layer input's storage is
+    what the reentrant recompute's aliases share, at the same version; their saves run inside backward's graph task
+    and must not match the mark: one skipped marked save per layer (it was 3 per layer before the fix)."""
+    model = _zero3_like_aliases(H.tiny_model())
+    H.enable_checkpointing(model, reentrant=True)
+    _, _, stats = H.train_steps(model, H.batches(1), offload=True, steps=1,
+                                scope_kwargs={"offload_cpu_tensors": False, "min_offload_size": 0})
+    assert stats[0].skipped_marked_tensors == H.LAYERS
+    assert stats[0].marked_tensors == H.LAYERS and stats[0].offloaded_tensors == 0
+
+
+def test_backward_saves_pass_through_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same aliases with offload on: every layer input offloaded once, in forward; backward's saves counted as
+    passed through; gradients and losses bit-identical over three AdamW steps."""
+    ref = _zero3_like_aliases(H.tiny_model())
+    H.enable_checkpointing(ref, reentrant=True)
+    model = _zero3_like_aliases(H.tiny_model())
+    H.enable_checkpointing(model, reentrant=True)
+    data = H.batches(3)
+    expected = H.train_steps(ref, data, offload=False)
+    scope_seen: list = []
+    original = hsoffload.offload_hidden_states
+
+    def remember(*a: Any, **k: Any) -> Any:
+        scope_seen.append(original(*a, **k))
+        return scope_seen[-1]
+
+    monkeypatch.setattr(hsoffload, "offload_hidden_states", remember)
+    got = H.train_steps(model, data, offload=True)
+    H.assert_bitwise_equal(expected, got)
+    assert [s.offloaded_tensors for s in got[2]] == [H.LAYERS] * 3
+    assert all(s.passthrough_stats.backward_saves > 0 for s in scope_seen)
+
+
+@needs_deepspeed
+def test_deepspeed_checkpoint_function_is_named_with_what_to_do(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28 item 2. deepspeed.checkpointing.checkpoint keeps layer inputs on its context, out of every
+    saved-tensor hook's sight: the warning names it and says to use torch's checkpoint, and the generic "none was
+    marked" advice (mark_hidden_state / patch()), wrong here, is not given."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from hsoffload import diagnostics
+    from hsoffload import scope as scope_mod
+    from hsoffload._logging import forget_logged
+
+    forget_logged()
+    monkeypatch.setattr(diagnostics, "_bypass_reported", threading.Event())
+    monkeypatch.setattr(scope_mod, "_warned_unmarked", threading.Event())
+    model = H.tiny_model()
+    model.gradient_checkpointing_enable()
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        _, _, stats = H.train_steps(model, H.batches(1), offload=True, steps=1)
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    named = [m for m in messages if "deepspeed.runtime.activation_checkpointing" in m]
+    assert len(named) == 1, messages
+    assert "use_reentrant" in named[0] and "gradient_checkpointing_func" in named[0]
+    assert not any("none was marked" in m for m in messages), messages
+    assert stats[0].offloaded_tensors == 0
+
+
+def test_zero3_parameter_aliases_are_recognised_by_storage_while_gathered() -> None:
+    """Issue 28 item 3, the rule itself: a tensor tagged `ds_id` (a ZeRO-3 parameter), a view of it, and a detached
+    alias of its gathered data are ZeRO-3 parameters; once the partition is freed (0 elements) nothing aliases it,
+    and an activation never does."""
+    from hsoffload.passthrough import Zero3Parameters
+
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    weight.ds_id = 7  # what deepspeed.zero.Init sets
+    params = Zero3Parameters()
+    params.bind([weight, torch.nn.Parameter(torch.randn(3))])
+    assert params and params.aliases(weight) and params.aliases(weight.t())
+    alias = weight.detach()
+    assert not hasattr(alias, "ds_id") and alias._base is None
+    assert params.aliases(alias) and params.aliases(alias.t()[1:])
+    assert not params.aliases(torch.randn(8, 4))
+    weight.data = torch.empty(0)  # released after the module's forward, as ZeRO-3 does
+    assert not params.aliases(alias)
