@@ -32,6 +32,7 @@ from .host import (  # noqa: E402
     process_stats,
     reserve_host,
     set_host_budget,
+    set_host_room,
     set_pool_limit,
 )
 from .scope import OffloadScope, mark_hidden_state  # noqa: E402
@@ -63,4 +64,5 @@ __all__ = [
     "mark_hidden_state",
     "pool_stats",
     "reserve_host",
+    "set_host_room",
 ]

@@ -8,7 +8,10 @@ Thread-safety: the engine serialises every call; nothing here holds state of its
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import threading
 from typing import Optional, Union
 
 import torch
@@ -69,35 +72,125 @@ def empty_pool() -> None:
     _engine().empty_pool()
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The "auto" budget: 80 % of MemAvailable at first use, split between the ranks of the node, less the host memory
+# other libraries on this rank pin after that (ZeRO-Offload's optimizer states). The engine computes 80 % of
+# MemAvailable / LOCAL_WORLD_SIZE; where a launcher names the local size otherwise, or room is left, the shim resolves
+# "auto" itself from the engine's MemAvailable figure and sets that limit (remembered as auto's resolution).
+
+# Launchers' names for the number of ranks on this node, in the order they are read: torchrun, DeepSpeed's launcher
+# (and Intel MPI through it), Slurm (srun --ntasks-per-node), Open MPI (mpirun).
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+# ... and for this rank's index on the node: a rank that has one but no local size shares the node with others.
+LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID")
+
+_auto_lock = threading.Lock()  # guards _room_bytes and _auto_limit
+_room_bytes = 0  # host bytes left to other libraries on this rank (set_host_room)
+_auto_limit: Optional[int] = None  # the limit the shim set as auto's resolution (None: the engine's own auto)
+_auto_local: tuple[int, str] = (1, "")
+
+
+def local_size() -> tuple[int, str]:
+    """The number of ranks on this node and the variable it came from (the first of LOCAL_SIZE_VARS that holds a
+    positive integer; Slurm's "4(x2)" form counts as 4), or (1, "") when none does. Logs a warning once when this
+    rank has a local rank but no local size: every rank then takes the whole node's share."""
+    for name in LOCAL_SIZE_VARS:
+        raw = os.environ.get(name, "").strip()
+        digits = raw.split("(", 1)[0]
+        if digits.isdigit() and int(digits) > 0:
+            return int(digits), name
+    ranks = [name for name in LOCAL_RANK_VARS if os.environ.get(name, "").strip()]
+    if ranks:
+        log_once(
+            "local-size-missing",
+            logging.WARNING,
+            "hsoffload: this process has a local rank (%s) but no local size (%s are unset), so the auto host budget "
+            "(max_host_bytes=auto) assumes it is alone on the node and may take 80%% of its RAM on every rank; set "
+            "LOCAL_WORLD_SIZE to the number of ranks per node, or pass max_host_bytes explicitly",
+            ", ".join(ranks),
+            ", ".join(LOCAL_SIZE_VARS),
+        )
+    return 1, ""
+
+
+def set_host_room(nbytes: Union[int, str]) -> None:
+    """Leave `nbytes` (this rank's share) of host memory to another library that pins it after the auto budget is
+    resolved, such as ZeRO-Offload's optimizer states (hsoffload.integrations.deepspeed computes them): an "auto"
+    budget resolved from now on is that much smaller. Does not change an explicit max_host_bytes."""
+    global _room_bytes
+    value = parse_bytes(nbytes, "set_host_room")
+    if value == "auto":
+        raise ValueError("hsoffload.set_host_room: pass a number of bytes (or e.g. '8GiB'), not 'auto'")
+    with _auto_lock:
+        changed = _room_bytes != int(value)
+        _room_bytes = int(value)
+    if changed and (_auto_limit is not None or budget_stats().is_auto):
+        set_host_budget("auto")  # resolved again at the next use, with the room
+
+
+def host_room() -> int:
+    """The bytes `set_host_room` leaves to other libraries on this rank."""
+    return _room_bytes
+
+
 def budget_stats() -> BudgetStats:
     """The process-wide host budget now (an "auto" limit is resolved by this call if it was not yet)."""
-    return from_engine(BudgetStats, _engine().budget_stats())
+    stats = from_engine(BudgetStats, _engine().budget_stats())
+    with _auto_lock:
+        ours = _auto_limit is not None and not stats.is_auto and stats.limit == _auto_limit
+        local = _auto_local
+    if ours:
+        return dataclasses.replace(stats, is_auto=True, local_world_size=local[0])
+    return stats
 
 
 def set_host_budget(max_host_bytes: Union[int, str]) -> None:
-    """Set the process-wide host budget now: bytes, or "auto" (recomputed from MemAvailable now)."""
+    """Set the process-wide host budget now: bytes, or "auto" (recomputed from MemAvailable at its next use)."""
+    global _auto_limit
     value = parse_bytes(max_host_bytes, "max_host_bytes")
+    with _auto_lock:
+        _auto_limit = None
     _engine().set_host_budget(-1 if value == "auto" else int(value))
+
+
+def _resolve_auto() -> BudgetStats:
+    """Resolve an auto budget with every launcher's local size and the room left to others (see above)."""
+    global _auto_limit, _auto_local
+    engine_stats = from_engine(BudgetStats, _engine().budget_stats())  # resolves the engine's auto
+    if not engine_stats.is_auto:
+        return budget_stats()
+    local, name = local_size()
+    room = host_room()
+    if local == engine_stats.local_world_size and room == 0:
+        return engine_stats  # the engine's own figure is right
+    limit = max(0, int(engine_stats.mem_available * 0.8) // local - room)
+    _engine().set_host_budget(limit)
+    with _auto_lock:
+        _auto_limit, _auto_local = limit, (local, name)
+    return budget_stats()
 
 
 def apply_host_budget(wanted: Union[int, str, None]) -> None:
     """What a scope entry does with its max_host_bytes. None keeps the budget as it is; "auto" keeps an auto limit
     resolved at first use (it is not recomputed each step, when MemAvailable already excludes what we offloaded)."""
-    now = budget_stats()
+    now = _resolve_auto()
     if wanted is None or wanted == "auto":
         if wanted == "auto" and not now.is_auto:
             set_host_budget("auto")
-            now = budget_stats()
+            now = _resolve_auto()
         if not now.is_auto:
             return
+        local, name = _auto_local if _auto_limit is not None else (now.local_world_size, "LOCAL_WORLD_SIZE")
         log_once(
             "auto-budget",
             logging.INFO,
             "hsoffload: host budget max_host_bytes=auto: %.2f GiB = 80%% of MemAvailable %.2f GiB / "
-            "LOCAL_WORLD_SIZE %d",
+            "%s %d%s",
             now.limit / 2**30,
             now.mem_available / 2**30,
-            now.local_world_size,
+            name or "LOCAL_WORLD_SIZE",
+            local,
+            f", less {host_room() / 2**30:.2f} GiB left to other host users (set_host_room)" if host_room() else "",
         )
     elif now.is_auto or now.limit != wanted:
         set_host_budget(wanted)

@@ -38,6 +38,7 @@ from ..config import OffloadConfig
 from ..scope import OffloadScope
 from ..stats import OffloadStats, is_snapshot
 from ..policy import policy_name
+from .deepspeed import leave_room_for_zero_offload, trainer_deepspeed_config
 
 logger = logging.getLogger("hsoffload")
 
@@ -83,6 +84,9 @@ class _TrainerOffload:
             layers = check_model(model, policy=self.scope.config.policy)
             self.scope.bind_model(model)
         self.scope.report_layers = False  # the trainer logs the per-layer line itself, after the first step
+        ds_config = trainer_deepspeed_config(trainer)
+        if ds_config is not None and isinstance(model, torch.nn.Module):
+            leave_room_for_zero_offload(ds_config, model)  # ZeRO-Offload's host states: out of the auto budget
         _report_competing_offload(trainer)
         self.layers = layers
 
