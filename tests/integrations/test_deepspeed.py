@@ -43,8 +43,8 @@ needs_deepspeed = pytest.mark.skipif(bool(_deepspeed_missing()), reason=_deepspe
 
 
 def extensions_dir() -> str:
-    """Where DeepSpeed's JIT-built shared-memory op is cached: inside the environment, so it lives as long as the
-    environment CI keeps (about 45 s to build on 2 cores)."""
+    """Where DeepSpeed's JIT-built shared-memory op is cached unless $TORCH_EXTENSIONS_DIR says otherwise: inside the
+    environment, so it lives as long as the environment CI keeps (about 45 s to build on 2 cores)."""
     return str(Path(sys.prefix) / "torch_extensions")
 
 
@@ -57,8 +57,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     paths = [str(Path(hsoffload.__file__).resolve().parents[1])]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
-    env.update(PYTHONPATH=os.pathsep.join(paths), DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=extensions_dir(),
-               OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=os.pathsep.join(paths), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
            "--out-dir", str(out)]
     t0 = time.perf_counter()
