@@ -13,13 +13,13 @@ COMPILE_CHECK_TORCH ?= 2.11.0 2.14.1
 
 all: test
 
+# DeepSpeed (requirements/deepspeed.txt) is an sdist whose setup.py imports torch: built against the torch installed
+# first, without build isolation, and with no op compiled at install (DS_BUILD_OPS=0).
 $(STAMP): requirements/dev.txt requirements/deepspeed.txt $(TORCH_REQ)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r $(TORCH_REQ)
 	$(PIP) install -q -r requirements/dev.txt
-	# DeepSpeed is an sdist whose setup.py imports torch: built against the torch above, no op compiled at install
-	# (requirements/deepspeed.txt).
 	$(PIP) install -q "setuptools>=70"
 	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation -r requirements/deepspeed.txt
 	bash tests/install_extra_transformers.sh $(PY)
