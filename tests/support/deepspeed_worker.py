@@ -242,15 +242,17 @@ def skipped_marks_case() -> dict[str, Any]:
 
 
 def _trainer_run(offload: bool, out_dir: str) -> dict[str, Any]:
-    """HF `Trainer` with a ZeRO-3 config dict (accelerate drives DeepSpeed), non-reentrant checkpointing; with
-    `offload`, hsoffload's Trainer integration (`enable_hidden_state_offload`)."""
+    """HF `Trainer` with a ZeRO-3 config dict with ZeRO-Offload of parameters and optimizer (accelerate drives
+    DeepSpeed), non-reentrant checkpointing; with `offload`, hsoffload's Trainer integration
+    (`enable_hidden_state_offload`), which also leaves ZeRO-Offload's host bytes out of the auto budget."""
     import transformers
     from deepspeed.runtime.engine import DeepSpeedEngine
     from hf_tiny import tiny_config
 
+    import hsoffload.host
     import hsoffload.integrations
 
-    ds_config = _ds_config(3)
+    ds_config = _ds_config(3, offload=True)
     ds_config["train_micro_batch_size_per_gpu"] = "auto"
     ds_config["gradient_accumulation_steps"] = "auto"
     args = transformers.TrainingArguments(
@@ -306,6 +308,9 @@ def _trainer_run(offload: bool, out_dir: str) -> dict[str, Any]:
     finally:
         DeepSpeedEngine.step = step
     record["zero_init"] = zero_init
+    record["host_room"] = hsoffload.host.host_room()
+    record["expected_room"] = -(-sum(int(p.ds_numel) for p in model.parameters()) * 18 * 3 // (2 * dist.get_world_size()))
+    hsoffload.set_host_room(0)
     if offload:
         record["stats"] = dataclasses.asdict(trainer.hsoffload_scope.stats)
         record["logged"] = [
@@ -323,6 +328,8 @@ def trainer_case(out_dir: str) -> dict[str, Any]:
         "compared": {"losses": len(off["losses"]), "grads": sum(len(g) for g in off["grads"]),
                      "params": sum(len(p) for p in off["params"])},
         "zero_init": off["zero_init"] and on["zero_init"],
+        "host_room": [off["host_room"], on["host_room"]],
+        "expected_room": on["expected_room"],
         "stats": on["stats"],
         "logged": on["logged"],
         "seconds": time.perf_counter() - t0,
