@@ -38,7 +38,7 @@ from ..config import OffloadConfig
 from ..scope import OffloadScope
 from ..stats import OffloadStats, is_snapshot
 from ..policy import policy_name
-from .deepspeed import leave_room_for_zero_offload, trainer_deepspeed_config
+from .deepspeed import leave_room_for_zero_offload, trainer_deepspeed_config, zero_offload_host_bytes
 
 logger = logging.getLogger("hsoffload")
 
@@ -85,7 +85,7 @@ class _TrainerOffload:
             self.scope.bind_model(model)
         self.scope.report_layers = False  # the trainer logs the per-layer line itself, after the first step
         ds_config = trainer_deepspeed_config(trainer)
-        if ds_config is not None and isinstance(model, torch.nn.Module):
+        if ds_config is not None and isinstance(model, torch.nn.Module) and zero_offload_host_bytes(ds_config, model):
             leave_room_for_zero_offload(ds_config, model)  # ZeRO-Offload's host states: out of the auto budget
         _report_competing_offload(trainer)
         self.layers = layers
