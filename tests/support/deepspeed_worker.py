@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import datetime
 import faulthandler
@@ -124,8 +123,7 @@ def _engine(model: torch.nn.Module, ds_config: dict[str, Any]) -> Any:
 def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     from hf_tiny import batches
 
-    data = batches(n, seed=1 + dist.get_rank())  # each rank its own data: the reductions matter
-    return data
+    return batches(n, seed=1 + dist.get_rank())  # each rank its own data: the reductions matter
 
 
 def _full_grads(engine: Any) -> dict[str, torch.Tensor]:
@@ -169,7 +167,7 @@ def _train(case: Case, offload: bool, scope_kwargs: Optional[dict[str, Any]] = N
         engine.step()
         out["params"].append(_full_params(engine))
     if scope is not None:
-        out["passthrough"] = dataclasses.asdict(scope.passthrough_stats) if hasattr(scope, "passthrough_stats") else {}
+        out["passthrough"] = dataclasses.asdict(scope.passthrough_stats)
     out["engine"] = engine
     return out
 
@@ -188,12 +186,6 @@ def _compare(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
                 if not torch.equal(ga[name], gb[name]):
                     diffs.append(f"{kind} step {step}: {name} differs")
     return diffs
-
-
-def _per_micro(stats: list[dict[str, int]], key: str) -> list[int]:
-    """How much `key` grew during each entry of the list (stats accumulate over a scope's uses)."""
-    values = [s.get(key, 0) for s in stats]
-    return [v - p for v, p in zip(values, [0] + values[:-1])]
 
 
 def run_case(case: Case) -> dict[str, Any]:
