@@ -73,10 +73,11 @@ def empty_pool() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The "auto" budget: 80 % of MemAvailable at first use, split between the ranks of the node, less the host memory
-# other libraries on this rank pin after that (ZeRO-Offload's optimizer states). The engine computes 80 % of
-# MemAvailable / LOCAL_WORLD_SIZE; where a launcher names the local size otherwise, or room is left, the shim resolves
-# "auto" itself from the engine's MemAvailable figure and sets that limit (remembered as auto's resolution).
+# The "auto" budget: 80 % of what MemAvailable at first use leaves once the host memory other libraries pin on the
+# node's ranks (ZeRO-Offload's model states, `set_host_room`) is set aside, split between the ranks of the node -- the
+# planner's host side (plan.HostSide) with MemAvailable for RAM. The engine computes 80 % of MemAvailable /
+# LOCAL_WORLD_SIZE; where a launcher names the local size otherwise, or room is left, the shim resolves "auto" itself
+# from the engine's MemAvailable figure and sets that limit (remembered as auto's resolution).
 
 # Launchers' names for the number of ranks on this node, in the order they are read: torchrun, DeepSpeed's launcher
 # (and Intel MPI through it), Slurm (srun --ntasks-per-node), Open MPI (mpirun).
@@ -114,9 +115,10 @@ def local_size() -> tuple[int, str]:
 
 
 def set_host_room(nbytes: Union[int, str]) -> None:
-    """Leave `nbytes` (this rank's share) of host memory to another library that pins it after the auto budget is
-    resolved, such as ZeRO-Offload's optimizer states (hsoffload.integrations.deepspeed computes them): an "auto"
-    budget resolved from now on is that much smaller. Does not change an explicit max_host_bytes."""
+    """Leave `nbytes` of host memory per rank to another library that pins it, such as ZeRO-Offload's model states
+    (hsoffload.integrations.deepspeed computes them): an "auto" budget resolved from now on is 80 % of MemAvailable
+    less every local rank's room, split between them. Does not change an explicit max_host_bytes. Memory the library
+    pinned before the budget is resolved is out of MemAvailable already and is then set aside twice (safe side)."""
     global _room_bytes
     value = parse_bytes(nbytes, "set_host_room")
     if value == "auto":
@@ -163,7 +165,7 @@ def _resolve_auto() -> BudgetStats:
     room = host_room()
     if local == engine_stats.local_world_size and room == 0:
         return engine_stats  # the engine's own figure is right
-    limit = max(0, int(engine_stats.mem_available * 0.8) // local - room)
+    limit = max(0, int((engine_stats.mem_available - room * local) * 0.8) // local)
     _engine().set_host_budget(limit)
     with _auto_lock:
         _auto_limit, _auto_local = limit, (local, name)
@@ -184,13 +186,14 @@ def apply_host_budget(wanted: Union[int, str, None]) -> None:
         log_once(
             "auto-budget",
             logging.INFO,
-            "hsoffload: host budget max_host_bytes=auto: %.2f GiB = 80%% of MemAvailable %.2f GiB / "
-            "%s %d%s",
+            "hsoffload: host budget max_host_bytes=auto: %.2f GiB = 80%% of MemAvailable %.2f GiB%s / %s %d",
             now.limit / 2**30,
             now.mem_available / 2**30,
+            f" less {host_room() / 2**30:.2f} GiB per rank left to other host users (set_host_room)"
+            if host_room()
+            else "",
             name or "LOCAL_WORLD_SIZE",
             local,
-            f", less {host_room() / 2**30:.2f} GiB left to other host users (set_host_room)" if host_room() else "",
         )
     elif now.is_auto or now.limit != wanted:
         set_host_budget(wanted)

@@ -88,7 +88,7 @@ def test_room_left_to_another_library(monkeypatch: pytest.MonkeyPatch, caplog: p
     monkeypatch.setenv("LOCAL_SIZE", "2")
     hsoffload.set_host_room("64MiB")
     b, lines = _auto_budget(caplog)
-    assert b.is_auto and b.limit == int(b.mem_available * 0.8) // 2 - (64 << 20)
+    assert b.is_auto and b.limit == int((b.mem_available - 2 * (64 << 20)) * 0.8) // 2
     assert "left to other host users" in lines[0]
     hsoffload.set_host_budget(12345)  # an explicit budget is the user's: room does not change it
     hsoffload.set_host_room("1MiB")
@@ -100,9 +100,10 @@ def test_zero_offload_host_bytes_per_rank() -> None:
     n = sum(p.numel() for p in model.parameters())
     stage3 = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                     "offload_optimizer": {"device": "cpu"}}}
-    assert hds.zero_offload_host_bytes(stage3, model, world_size=2) == -(-n * 18 * 3 // 4)  # 18 B x 1.5 / 2
+    assert hds.zero_offload_host_bytes(stage3, model, world_size=2) == -(-n * 16 // 2)  # fp32: weights = masters
+    assert hds.zero_offload_host_bytes({**stage3, "bf16": {"enabled": True}}, model, world_size=2) == -(-n * 18 // 2)
     stage2 = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-    assert hds.zero_offload_host_bytes(stage2, model, world_size=4) == -(-n * 16 * 3 // 8)
+    assert hds.zero_offload_host_bytes(stage2, model, world_size=4) == -(-n * 16 // 4)
     assert hds.zero_offload_host_bytes({"zero_optimization": {"stage": 3}}, model, world_size=2) == 0
     assert hds.zero_offload_host_bytes({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
                                        model, world_size=1) == 0  # offload_param is ZeRO-3's only
@@ -127,4 +128,4 @@ def test_leave_room_for_zero_offload_sets_the_room(caplog: pytest.LogCaptureFixt
     nbytes = hds.leave_room_for_zero_offload(_Engine(), world_size=1)
     assert nbytes > 0 and host.host_room() == nbytes
     b, _ = _auto_budget(caplog)
-    assert b.limit == int(b.mem_available * 0.8) - nbytes
+    assert b.limit == int((b.mem_available - nbytes) * 0.8)

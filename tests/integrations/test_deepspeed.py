@@ -134,7 +134,7 @@ def test_zero3_16bit_save_has_the_models_own_keys(results: dict[str, Any], name:
 def test_trainer_zero3_with_the_trainer_integration(results: dict[str, Any]) -> None:
     """HF Trainer with a ZeRO-3 config dict offloading parameters and optimizer (model built under zero.Init by
     transformers) and hsoffload.integrations.enable_hidden_state_offload: one offload per layer per step, logged, and
-    this rank's ZeRO-Offload bytes (18 per parameter x 1.5 / 2 ranks) left out of the auto host budget by the
+    this rank's ZeRO-Offload bytes (16 per parameter in fp32 / 2 ranks) left out of the auto host budget by the
     integration only."""
     res = _case(results, "trainer_zero3")
     assert res["zero_init"]

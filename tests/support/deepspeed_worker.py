@@ -301,7 +301,8 @@ def _trainer_run(offload: bool, out_dir: str) -> dict[str, Any]:
         DeepSpeedEngine.step = step
     record["zero_init"] = zero_init
     record["host_room"] = hsoffload.host.host_room()
-    record["expected_room"] = -(-sum(int(p.ds_numel) for p in model.parameters()) * 18 * 3 // (2 * dist.get_world_size()))
+    # fp32 run: 16 B per parameter (Adam's moments, fp32 gradient and master), each rank its 1 / world size
+    record["expected_room"] = -(-sum(int(p.ds_numel) for p in model.parameters()) * 16 // dist.get_world_size())
     hsoffload.set_host_room(0)
     if offload:
         record["stats"] = dataclasses.asdict(trainer.hsoffload_scope.stats)

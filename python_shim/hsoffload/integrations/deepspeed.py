@@ -1,11 +1,13 @@
 """DeepSpeed next to hidden-state offload: the host memory ZeRO-Offload takes, left out of hsoffload's auto budget.
 
-ZeRO-Offload keeps the optimizer's states in host memory (`offload_optimizer`: the fp32 master copy, the fp32
-gradients and Adam's two moments, 16 bytes per parameter) and, under ZeRO-3 with `offload_param`, the 16-bit
-parameter partitions too (2 bytes per parameter). Each rank holds its partition: 1 / world size of it. Part of it
-(Adam's moments) is allocated at the first optimizer step, after hsoffload's auto budget was read from MemAvailable
-at the first scope entry, so without room left for it offload and ZeRO-Offload together could pin more than the node
-has. `leave_room_for_zero_offload` sets that room (`hsoffload.set_host_room`); the Trainer integration calls it.
+ZeRO-Offload keeps the model states in host memory (`offload_optimizer`: the fp32 master copy, the fp32 gradients
+and Adam's two moments, 16 bytes per parameter) and, under ZeRO-3 with `offload_param` in bf16/fp16, the 16-bit
+parameter partitions too (2 bytes per parameter; an fp32 run's weights are the master copy). Each rank holds its
+partition: 1 / world size of it. The accounting is the planner's (`plan_memory.host_state_bytes_per_parameter`), so
+the auto budget at run time is the one `hsoffload plan` reports. Part of it (Adam's moments) is allocated at the first
+optimizer step, after hsoffload's auto budget was read from MemAvailable at the first scope entry, so without room
+left for it offload and ZeRO-Offload together could pin more than the node has. `leave_room_for_zero_offload` sets
+that room (`hsoffload.set_host_room`); the Trainer integration calls it.
 
 Counts and figures only: importing this module imports neither DeepSpeed nor torch.distributed.
 """
@@ -22,12 +24,11 @@ from ..host import set_host_room
 
 logger = logging.getLogger("hsoffload")
 
-# Bytes per parameter in host memory, by DeepSpeed's own accounting (runtime/zero/stage3.py,
-# estimate_zero3_model_states_mem_needs: 16 with the optimizer offloaded, 18 with the parameters too) and the
-# headroom factor its estimators apply (additional_buffer_factor).
+# Bytes per parameter in host memory (DeepSpeed's accounting, as in runtime/zero/stage3.py's
+# estimate_zero3_model_states_mem_needs without its headroom factor, and as the planner counts them): Adam's two fp32
+# moments, the fp32 gradient and the fp32 master weight; with offload_param, the bf16/fp16 weight.
 OPTIMIZER_BYTES_PER_PARAM = 16
 PARAM_BYTES_PER_PARAM = 2
-BUFFER_FACTOR = 1.5
 
 
 def _config_dict(engine_or_config: Any) -> Mapping[str, Any]:
@@ -62,8 +63,8 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 def zero_offload_host_bytes(engine_or_config: Any, model: torch.nn.Module, world_size: Optional[int] = None) -> int:
     """This rank's host bytes for ZeRO-Offload's states of `model`: 0 without `offload_optimizer`/`offload_param` on
-    the CPU (NVMe offload stages through host buffers only: counted as CPU), else parameters x bytes per parameter x
-    1.5 / world size. `world_size`: default torch.distributed's, else $WORLD_SIZE, else 1."""
+    the CPU or NVMe (counted as CPU: NVMe offload stages through host buffers), else parameters x bytes per parameter
+    / world size. `world_size`: default torch.distributed's, else $WORLD_SIZE, else 1."""
     config = _config_dict(engine_or_config)
     zero = config.get("zero_optimization") or {}
     if not isinstance(zero, Mapping):
@@ -71,7 +72,8 @@ def zero_offload_host_bytes(engine_or_config: Any, model: torch.nn.Module, world
     per_param = 0
     if _offloads(zero, "offload_optimizer"):
         per_param += OPTIMIZER_BYTES_PER_PARAM
-    if int(zero.get("stage", 0)) == 3 and _offloads(zero, "offload_param"):
+    half = any(isinstance(config.get(k), Mapping) and config[k].get("enabled") in (True, "auto") for k in ("bf16", "fp16"))
+    if int(zero.get("stage", 0)) == 3 and _offloads(zero, "offload_param") and half:
         per_param += PARAM_BYTES_PER_PARAM
     if per_param == 0:
         return 0
@@ -82,7 +84,7 @@ def zero_offload_host_bytes(engine_or_config: Any, model: torch.nn.Module, world
             world_size = torch.distributed.get_world_size()
         else:
             world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    return math.ceil(parameter_count(model) * per_param * BUFFER_FACTOR / max(1, int(world_size)))
+    return math.ceil(parameter_count(model) * per_param / max(1, int(world_size)))
 
 
 def leave_room_for_zero_offload(engine_or_config: Any, model: Optional[torch.nn.Module] = None,
