@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from worker_exit import leave
 
 LAYERS = 4
 STEPS = 2
@@ -364,8 +365,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    # As in fsdp_worker.py: leave without interpreter finalization once the group is destroyed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    leave(main())  # no interpreter finalization (worker_exit.py)

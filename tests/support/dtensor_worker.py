@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from worker_exit import leave
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
@@ -84,9 +83,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # The results are written and the group is destroyed. Under CI load a torch 2.14 rank once aborted with
-    # "terminate called without an active exception" and no Python frame (a native thread torn down at interpreter
-    # finalization); that teardown is torch's, not what this test measures, so the rank leaves without finalizers.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)  # no interpreter finalization (worker_exit.py)

@@ -16,12 +16,12 @@ import faulthandler
 import hashlib
 import json
 import os
-import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from worker_exit import leave
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -300,9 +300,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    # As in dtensor_worker.py: the group is destroyed; leave without interpreter finalization, where a torch 2.14
-    # rank once aborted in CI ("terminate called without an active exception") after its work was done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    leave(main())  # no interpreter finalization (worker_exit.py)
