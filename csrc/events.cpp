@@ -13,18 +13,31 @@ namespace {
 std::atomic<int64_t> failed_queries{0};
 }  // namespace
 
-bool event_completed(const c10::Event& event) noexcept {
+namespace {
+enum class Query { kDone, kRunning, kFailed };
+Query ask(const c10::Event& event) noexcept {
   try {
-    return event.query();
+    return event.query() ? Query::kDone : Query::kRunning;
   } catch (...) {
     failed_queries.fetch_add(1);
-    return true;  // the context is dead: nothing will run on it again, nothing still uses the memory
+    return Query::kFailed;
   }
 }
+}  // namespace
 
-void wait_event(const c10::Event& event) noexcept {
+bool event_completed(const c10::Event& event) noexcept { return ask(event) == Query::kDone; }
+
+bool wait_event(const c10::Event& event) noexcept {
   auto pause = std::chrono::microseconds(20);
-  while (!event_completed(event)) {
+  for (;;) {
+    switch (ask(event)) {
+      case Query::kDone:
+        return true;
+      case Query::kFailed:
+        return false;
+      case Query::kRunning:
+        break;
+    }
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(2 * pause, std::chrono::milliseconds(1));
   }

@@ -166,6 +166,7 @@ void OffloadScope::enter() {
     ++epoch_;
     open_group_ = -1;  // a group left open by an exception in the previous entry
     spill_ = std::move(store);
+    host_alloc_failed_ = false;  // a new entry tries pinning again
     spill_errors_->take();  // an error from an earlier entry was raised there (or belongs to a failed step)
   }
   tls_scopes.push_back(shared_from_this());
@@ -185,6 +186,7 @@ void OffloadScope::exit() {
     active_ = false;
     marks_.clear();
     prune_locked();
+    reap_foreign_sources_locked();
   }
   release_restores();  // at the latest here: nothing of a backward that ended early stays on the device
 }
@@ -458,9 +460,11 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
     try {
       host = acquire_host_block(*pool_, bytes, x.device(), config_.pin_memory);
     } catch (const c10::Error&) {
+      host_alloc_failed_ = true;
       count(stats_, &OffloadStats::host_alloc_failures, 1);
       return nullptr;
     } catch (const std::bad_alloc&) {
+      host_alloc_failed_ = true;
       count(stats_, &OffloadStats::host_alloc_failures, 1);
       return nullptr;
     }
@@ -497,6 +501,13 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
 }
 
 bool OffloadScope::reserve_or_keep(int64_t bytes, bool pinned) {
+  {
+    std::lock_guard<std::mutex> lock(*mutex_);
+    if (host_alloc_failed_) {
+      count(stats_, &OffloadStats::host_alloc_failures, 1);
+      return false;  // failed earlier in this entry: do not pay for another failing pinned allocation per pack
+    }
+  }
   try {
     pool_->reserve(bytes, pinned);
     return true;
@@ -504,6 +515,7 @@ bool OffloadScope::reserve_or_keep(int64_t bytes, bool pinned) {
   } catch (const std::bad_alloc&) {
   }
   std::lock_guard<std::mutex> lock(*mutex_);
+  host_alloc_failed_ = true;
   count(stats_, &OffloadStats::host_alloc_failures, 1);
   return false;
 }
@@ -672,8 +684,10 @@ void OffloadScope::restore_now_locked(OffloadRecord& record) {
     return;
   } catch (const c10::OutOfMemoryError&) {
     // Blocks prefetched ahead of their unpack may hold the room this restore needs: give them back and try once
-    // more (they are copied again when their unpack comes). With none held, the device is really full.
+    // more (they are copied again when their unpack comes), and prefetch no more in this pass (each failed
+    // allocation makes a caching allocator free its whole cache). With none held, the device is really full.
     if (drop_prefetched_locked() == 0) throw;
+    prefetch_paused_ = true;
   }
   copy_to_device_locked(record);
 }
@@ -750,6 +764,7 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
               "forward that saves it and its backward (tensors packed during a capture stay on the device), or "
               "run this backward outside the capture.");
   std::unique_lock<std::mutex> lock(*record.mutex);
+  if (!foreign_sources_.empty()) reap_foreign_sources_locked();
   at::Tensor dev;
   std::shared_ptr<SpillRead> read;  // a spill read this unpack waits for, holding no lock
   if (auto alive = restore.restored.lock()) {

@@ -234,7 +234,9 @@ SpillOrder spill_read_order(const at::Tensor& dst, SideStreams& streams) {
 }
 
 void wait_host_copy(const c10::Event* d2h_done) {
-  if (d2h_done) wait_event(*d2h_done);  // I2 (M20): the host block holds the bytes before the file write reads it
+  const bool host_copy_done = !d2h_done || wait_event(*d2h_done);  // I2 (M20): the host block holds the bytes before the file write reads it
+  TORCH_CHECK(host_copy_done, "hsoffload: spill write: the device failed while copying the tensor to host memory "
+              "(its event query raised); nothing was written");
 }
 
 void stage_to_host(const at::Tensor& staging, const at::Tensor& src, const std::optional<c10::Stream>& stream,
@@ -249,7 +251,8 @@ void stage_to_host(const at::Tensor& staging, const at::Tensor& src, const std::
   staging.copy_(src, /*non_blocking=*/true);
   c10::Event copied(src.device().type());
   copied.record(*stream);
-  wait_event(copied);  // I2 (M15): this I/O thread's wait before pwrite, not the compute stream's (I4)
+  const bool staged = wait_event(copied);  // I2 (M15): this I/O thread's wait before pwrite, not the compute stream's (I4)
+  TORCH_CHECK(staged, "hsoffload: spill write: the device failed while copying to the staging buffer (its event query raised)");
 }
 
 std::shared_ptr<c10::Event> stage_to_device(const at::Tensor& dst, const at::Tensor& staging,
@@ -264,7 +267,8 @@ std::shared_ptr<c10::Event> stage_to_device(const at::Tensor& dst, const at::Ten
   dst.copy_(staging, /*non_blocking=*/true);
   auto done = std::make_shared<c10::Event>(dst.device().type());
   done->record(*stream);
-  wait_event(*done);  // I2 (M17): the staging chunk is reused by the next transfer only after this copy
+  const bool copied_back = wait_event(*done);  // I2 (M17): the staging chunk is reused by the next transfer only after this copy
+  TORCH_CHECK(copied_back, "hsoffload: spill read: the device failed while copying from the staging buffer (its event query raised)");
   return done;
 }
 

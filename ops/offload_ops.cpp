@@ -150,6 +150,7 @@ bool engine_detects_capture() { return hsoffload::engine_detects_capture(); }
 std::vector<int64_t> side_streams(c10::Device device) {
   TORCH_CHECK_VALUE(!device.is_cpu(), "side_streams: device must be an accelerator, got ", device,
                     " (CPU copies run on the calling thread, without streams)");
+  TORCH_CHECK_VALUE(device.has_index(), "side_streams: device must have an index (e.g. cuda:0), got ", device);
   return {static_cast<int64_t>(hsoffload::side_stream(device, hsoffload::Direction::kToHost).id()),
           static_cast<int64_t>(hsoffload::side_stream(device, hsoffload::Direction::kToDevice).id())};
 }

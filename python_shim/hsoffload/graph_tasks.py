@@ -38,6 +38,13 @@ class GraphTaskWatch:
             self._open.add(task)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._ended(task))
 
+    def reset(self) -> None:
+        """Forgets every watched task: a backward that raised never runs its end-of-task callbacks, so its id would
+        stay open for good. The scope calls this at entry and exit (its earlier backwards are over by then; a scope
+        used by several threads at once is not supported anyway: scopes are per thread)."""
+        with self._lock:
+            self._open.clear()
+
     def _ended(self, task: int) -> None:
         with self._lock:
             self._open.discard(task)

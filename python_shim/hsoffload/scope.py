@@ -141,6 +141,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             return _pack_subclass(engine, x, scope_id)
 
         watch = GraphTaskWatch(engine.release_restores)
+        self._graph_tasks = watch
         note_unpack = watch.note_unpack
 
         def unpack_hook(packed: Any) -> torch.Tensor:
@@ -249,6 +250,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         if self.config.reserve_host_bytes:
             reserve_host(self.config.reserve_host_bytes)  # a no-op once the pool has that much free
         self._scope.enter()
+        self._graph_tasks.reset()  # a backward of an earlier entry that raised left its task open
         try:
             self.layer_tracker.reset_entry()  # only once the engine accepted the entry (it refuses a re-entry)
             self._refresh_parameter_storages()
@@ -275,6 +277,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
+            self._graph_tasks.reset()
             self._scope.exit()
             current.pop(self)  # at most once: entering an active scope again is refused
         layers_ran = self.layer_tracker.layer_ran

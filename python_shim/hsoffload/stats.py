@@ -37,7 +37,7 @@ class OffloadStats:
     spilled_from_device_tensors: int = 0  # spilled straight from device memory: no host copy could make room
     captured_passthrough: int = 0  # marked tensors saved during a graph capture (CUDA graphs): left in place
     prefetch_oom: int = 0  # prefetches not started for lack of device memory (the unpack copied on demand)
-    prefetch_dropped: int = 0  # prefetched blocks given back so that a needed restore found device memory
+    prefetch_dropped: int = 0  # prefetched blocks given back after an out-of-memory (a prefetch or a needed restore)
     host_alloc_failures: int = 0  # host (pinned) allocations that failed at pack: the tensor stayed on the device
     released_restores: int = 0  # prefetched or held restores given back when a graph task ended early / at exit
 

@@ -602,3 +602,36 @@ def test_a_second_backward_over_a_retained_graph_prefetches_like_the_first(cpu_s
     assert first.offloaded_tensors == 2 and first.prefetch_hits == 1, first
     assert second.prefetch_hits == 2 and second.restored_tensors == 4, second
     assert torch.equal(a0.grad, 2 * b0) and torch.equal(b0.grad, 2 * a0)
+
+
+def test_a_backward_that_raised_does_not_stop_later_early_ends_from_releasing(cpu_scope_kwargs):
+    """A backward that raises never runs its end-of-task callbacks; the next entry of the same scope must still give
+    back what an early-ending backward (autograd.grad on a middle input) leaves prefetched."""
+
+    class Boom(RuntimeError):
+        pass
+
+    class FailInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001, ANN205
+            raise Boom("raised in backward")
+
+    model = Stack(layers=4)
+    x = torch.randn(16, 32)
+    scope = OffloadScope(prefetch_depth=1, **cpu_scope_kwargs)
+    with scope:
+        with pytest.raises(Boom):
+            FailInBackward.apply(model(x)).backward()
+    with scope:
+        h = model.emb(x)
+        mids = []
+        for block in model.blocks:
+            mids.append(h)
+            h = checkpoint(block, mark(h), use_reentrant=False)
+        released = scope.stats.released_restores
+        torch.autograd.grad(h.sum(), [mids[1]])  # blocks 2 and 1 only: block 0's prefetched input is never used
+        assert scope.stats.released_restores > released, scope.stats

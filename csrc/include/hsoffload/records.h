@@ -189,7 +189,7 @@ class RecordIndex {
  public:
   // Indexes `record` (its `source` must be set); it stays indexed while some handle holds it.
   void add(const std::shared_ptr<OffloadRecord>& record);
-  // A live record of `storage` whose span covers [begin, end) and that `accept`s (if given), or null. Oldest first.
+  // A live record of `storage` whose span covers [begin, end) and that `accept`s (if given), or null.
   std::shared_ptr<OffloadRecord> find(const c10::StorageImpl* storage, int64_t begin, int64_t end,
                                       const std::function<bool(const OffloadRecord&)>& accept = nullptr) const;
   // `record`, found again by a pack in a later `group` (a tensor every layer saves: rotary cos/sin), moves to that

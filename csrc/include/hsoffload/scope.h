@@ -239,6 +239,8 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   int64_t epoch_ = 0;
   // A prefetch found no device memory in this pass of backward: restores go on demand until release_restores.
   bool prefetch_paused_ = false;
+  // A host allocation failed in this entry: later packs keep their tensors on the device without trying again.
+  bool host_alloc_failed_ = false;
   // Expired marks/records are pruned when the lists reach this size (amortised O(1)).
   size_t prune_at_ = 64;
   // Sources in memory the device's allocator does not own, kept referenced until their copy to host has read them

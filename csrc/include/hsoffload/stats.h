@@ -35,7 +35,7 @@ namespace hsoffload {
   X(spilled_from_device_tensors, "spilled straight from device memory: no host copy of the scope could make room")  \
   X(captured_passthrough, "marked tensors saved while the current stream was capturing a graph: left in place")   \
   X(prefetch_oom, "prefetches not started for lack of device memory (the unpack copies on demand instead)")         \
-  X(prefetch_dropped, "prefetched blocks given back so that a restore an unpack needed found device memory")        \
+  X(prefetch_dropped, "prefetched blocks given back after an out-of-memory (of a prefetch or a needed restore)")    \
   X(host_alloc_failures, "host (pinned) allocations that failed at pack: the tensor stayed on the device (kept)")   \
   X(released_restores, "prefetched or held restores given back when a graph task ended early or the scope exited")
 

@@ -1,6 +1,6 @@
 // Which tensors the engine may treat as bytes of their storage, and the facts about a tensor it keys on.
 //
-// Thread-safety: pure functions of their argument.
+// Thread-safety: pure functions of their argument; a ProducerRef may be read (`get`) from any thread.
 #pragma once
 
 #include <ATen/core/Tensor.h>
