@@ -185,8 +185,8 @@ def test_stack_fsdp2_cpu_offload_tiled_mlp_chunked_head(ranks: list[dict[str, An
     for res in _case(ranks, "fsdp2_stack"):
         assert res["offload_policies"] == ["CPUOffloadPolicy"]
         assert res["mlp_shards"] == [MLP_SHARDS_PER_STEP] * C.STEPS
-        off_tiles, on_tiles = res["head_tiles"]
-        assert off_tiles == on_tiles and min(on_tiles) >= 4, res["head_tiles"]
+        tiles = C.fused_head_tiles(C.BATCH * (C.SEQ - 1))  # 16: 4 token x 4 vocabulary tiles
+        assert res["head_tiles"] == [[tiles] * C.STEPS] * 2, res["head_tiles"]
         check_offload(res, FULL)
 
 
@@ -199,8 +199,8 @@ def test_stack_ulysses_zero3_offload_tiled_mlp_chunked_head(ranks: list[dict[str
     for res in results:
         assert res["local_seq"] == C.SEQ // 2 and res["sdpa_entry"] == "uattn_wrapper"
         assert res["mlp_shards"] == [MLP_SHARDS_PER_STEP] * C.STEPS
-        off_tiles, on_tiles = res["head_tiles"]
-        assert off_tiles == on_tiles and min(on_tiles) >= 4, res["head_tiles"]
+        tiles = C.fused_head_tiles(C.BATCH * C.SEQ // 2)  # 8: the shard's pre-shifted labels, 2 token x 4 vocabulary
+        assert res["head_tiles"] == [[tiles] * C.STEPS] * 2, res["head_tiles"]
         check_offload(res, SHARD)
     assert results[0]["losses"] == results[1]["losses"]
 
@@ -272,7 +272,7 @@ def _sft_run(tmp_path: Path, offload: bool, tiled: bool) -> dict[str, Any]:
 )
 def test_sft_trainer_chunked_fused_head(tmp_path: Path, tiled: bool) -> None:
     """TRL's SFTTrainer (which always installs its chunked fused LM head) with hsoffload's Trainer integration; the
-    head's tiles shrunk so that several run (4 vocabulary x 4 token tiles at these sizes); with `tiled_mlp` also
+    head's tiles shrunk so that several run (4 token x 4 vocabulary tiles per forward); with `tiled_mlp` also
     DeepSpeed's TiledMLP in every layer."""
     old = C.shrink_fused_head_tiles()
     try:
@@ -282,7 +282,7 @@ def test_sft_trainer_chunked_fused_head(tmp_path: Path, tiled: bool) -> None:
         C.restore_fused_head_tiles(old)
     res = C.summary(off, on, 0.0)
     check_offload(res, FULL)
-    assert off["tiles"] == on["tiles"] and min(on["tiles"]) >= 4, on["tiles"]
+    assert off["tiles"] == on["tiles"] == [C.fused_head_tiles(C.BATCH * (C.SEQ - 1))] * C.STEPS, on["tiles"]
     assert on["mlp_shards"] == (MLP_SHARDS_PER_STEP * C.STEPS if tiled else 0)
     assert [e["hsoffload/offloaded_tensors"] for e in on["logged"]] == [C.LAYERS] * C.STEPS
     assert "mean_token_accuracy" in on["logged"][0]  # the fused head's outputs reached TRL's metrics

@@ -105,6 +105,14 @@ def shrink_fused_head_tiles() -> dict[str, int]:
     return old
 
 
+def fused_head_tiles(tokens: int) -> int:
+    """Tiles one fused-head forward projects over `tokens` positions with the shrunk tile sizes (on a CPU TRL scores
+    every position, ignored labels included)."""
+    from support.hf_tiny import VOCAB
+
+    return -(-tokens // TOKEN_TILE) * -(-VOCAB // VOCAB_TILE)
+
+
 def restore_fused_head_tiles(old: dict[str, int]) -> None:
     import trl.kernels.chunked_logprob as kernel
     import trl.trainer.utils as utils
@@ -114,9 +122,9 @@ def restore_fused_head_tiles(old: dict[str, int]) -> None:
 
 
 class TileCounter(torch.overrides.TorchFunctionMode):
-    """Counts the tiles TRL's chunked log-prob kernel runs: its projections are `torch.mm(..., out=tile)` calls
-    (forward, and again in backward, which recomputes each tile); nothing else in a Llama step calls `torch.mm` with
-    `out=`. A pass-through mode: every call runs as it would."""
+    """Counts the tiles TRL's chunked log-prob kernel projects in forward: its `torch.mm(..., out=tile)` calls (nothing
+    else in a Llama step calls `torch.mm` with `out=`). Its backward recomputes the tiles inside the autograd engine,
+    where this Python mode does not see them. A pass-through mode: every call runs as it would."""
 
     def __init__(self) -> None:
         super().__init__()
