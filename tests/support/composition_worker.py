@@ -524,9 +524,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    # As in dtensor_worker.py: the group is destroyed; leave without interpreter finalization, where a torch 2.14
-    # rank once aborted in CI ("terminate called without an active exception") after its work was done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    from worker_exit import leave
+
+    leave(main())  # no interpreter finalization (worker_exit.py)
