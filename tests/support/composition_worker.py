@@ -33,6 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `support.*` as in the test process
 
 from support import composition as C  # noqa: E402
+from support.hf_tiny import VOCAB  # noqa: E402
 
 FSDP_CASES = ["fsdp2_cpu_offload", "fsdp2_stack"]
 DS_CASES = ["tiled_mlp", "ulysses_zero3", "ulysses_stack", "trainer_ulysses"]
@@ -44,7 +45,7 @@ def _batches(seed: int, n: int = C.STEPS) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.randint(3, 128, (C.BATCH, C.SEQ), generator=g)
+        ids = torch.randint(3, VOCAB, (C.BATCH, C.SEQ), generator=g)
         out.append({"input_ids": ids, "labels": ids.clone()})
     return out
 
@@ -59,7 +60,6 @@ def _scope(model: torch.nn.Module, offload: bool) -> tuple[Any, Optional[C.Probe
 
 
 def _run(
-    offload: bool,
     steps: int,
     forward: Callable[[int], torch.Tensor],
     backward: Callable[[torch.Tensor], None],
@@ -71,7 +71,7 @@ def _run(
 ) -> dict[str, Any]:
     """`steps` optimizer steps, each one forward and backward (inside `scope` when given); what the runs are compared
     on, and per step: the scope's counters after forward and after backward, how many TiledMLP shards ran and (with
-    `count_tiles`, in both runs alike) how many tiles TRL's fused head ran."""
+    `count_tiles`, in both runs alike) how many tiles TRL's fused head projected in forward."""
     out: dict[str, Any] = {"losses": [], "grads": [], "params": [], "after_forward": [], "after_backward": [],
                            "mlp_shards": [], "head_tiles": []}
     for i in range(steps):
@@ -128,7 +128,7 @@ def _fsdp2(offload: bool, stack: bool) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
 
     out = _run(
-        offload, C.STEPS, forward, lambda loss: loss.backward(), step,
+        C.STEPS, forward, lambda loss: loss.backward(), step,
         lambda: {n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters()},
         lambda: {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
         scope, count_tiles=stack,
@@ -182,7 +182,7 @@ def _tiled_mlp(offload: bool, tiled: bool = True) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
 
     out = _run(
-        offload, C.STEPS, lambda i: model(**data[i]).loss, lambda loss: loss.backward(), step,
+        C.STEPS, lambda i: model(**data[i]).loss, lambda loss: loss.backward(), step,
         lambda: {n: p.grad.detach().clone() for n, p in model.named_parameters()},
         lambda: {n: p.detach().clone() for n, p in model.named_parameters()},
         scope,
@@ -285,7 +285,7 @@ def _ulysses(offload: bool, stack: bool) -> dict[str, Any]:
         return _sp_loss(out.loss, b["shift_labels"], group)
 
     out = _run(
-        offload, C.STEPS, forward, engine.backward, engine.step,
+        C.STEPS, forward, engine.backward, engine.step,
         lambda: {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()},
         lambda: {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()},
         scope, count_tiles=stack,
@@ -443,7 +443,7 @@ def _cp_fsdp2(offload: bool) -> dict[str, Any]:
         return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
     out = _run(
-        offload, C.STEPS, forward, backward, step,
+        C.STEPS, forward, backward, step,
         lambda: {n: full(p.grad) for n, p in model.named_parameters()},
         lambda: {n: full(p) for n, p in model.named_parameters()},
         scope,
