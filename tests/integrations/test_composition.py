@@ -140,12 +140,19 @@ def test_fsdp2_cpu_offload_policy(ranks: list[dict[str, Any]]) -> None:
 
 
 @needs_deepspeed
-def test_deepspeed_tiled_mlp_in_checkpointed_layers(ranks: list[dict[str, Any]]) -> None:
-    """DeepSpeed's TiledMLP (4 tiles) inside every checkpointed decoder layer, micro-batch 2: its backward runs a
-    forward and a backward per tile inside the layer's backward; nothing saved there is offloaded. TiledMLP itself is
-    exact against the stock MLP (rounding only)."""
-    for res in _case(ranks, "tiled_mlp"):
+@pytest.mark.parametrize("case", ["tiled_mlp", "tiled_mlp_reentrant"])
+def test_deepspeed_tiled_mlp_in_checkpointed_layers(ranks: list[dict[str, Any]], case: str) -> None:
+    """DeepSpeed's TiledMLP (4 tiles) inside every checkpointed decoder layer (non-reentrant and reentrant
+    checkpointing), micro-batch 2: its backward runs a forward and a backward per tile inside the layer's backward, and
+    the reentrant recompute runs the whole layer there; nothing saved during backward is offloaded. TiledMLP itself
+    is exact against the stock MLP (rounding only)."""
+    for res in _case(ranks, case):
         check_offload(res, FULL)
+        # Saves made during backward (TiledMLP's per-tile forward, the reentrant recompute) reached the scope and were
+        # kept in place; forward made none.
+        fwd, bwd = res["after_forward"], res["after_backward"]
+        assert all(n > 0 for n in C.per_entry(bwd, "backward_saves")), bwd
+        assert [f["backward_saves"] for f in fwd] == [0] + [b["backward_saves"] for b in bwd[:-1]]
         assert res["mlp_shards"] == [MLP_SHARDS_PER_STEP] * C.STEPS and res["stock_mlp_shards"] == [0] * C.STEPS
         assert res["tiled_loss"] == pytest.approx(res["stock_loss"], rel=1e-6)
         assert res["worst_grad_diff_vs_stock"] < 1e-5

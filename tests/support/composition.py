@@ -35,12 +35,12 @@ def tiny_config(attn: str = "sdpa") -> Any:
     return config
 
 
-def tiny_model(attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+def tiny_model(attn: str = "sdpa", seed: int = 0, reentrant: bool = False) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(attn))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
     return model
 
@@ -195,7 +195,10 @@ class Probe:
 
 
 def stats_dict(scope: Any) -> dict[str, int]:
-    return dataclasses.asdict(scope.stats)
+    """The scope's engine counters and its pass-through counters (saves during backward, ZeRO-3 parameters), so far."""
+    out = dataclasses.asdict(scope.stats)
+    out.update(dataclasses.asdict(scope.passthrough_stats))
+    return out
 
 
 def per_entry(stats: list[dict[str, int]], key: str) -> list[int]:

@@ -36,7 +36,7 @@ from support import composition as C  # noqa: E402
 from support.hf_tiny import VOCAB  # noqa: E402
 
 FSDP_CASES = ["fsdp2_cpu_offload", "fsdp2_stack"]
-DS_CASES = ["tiled_mlp", "ulysses_zero3", "ulysses_stack", "trainer_ulysses"]
+DS_CASES = ["tiled_mlp", "tiled_mlp_reentrant", "ulysses_zero3", "ulysses_stack", "trainer_ulysses"]
 NEEDS_TRL = {"fsdp2_stack", "ulysses_stack"}
 NEEDS_DS = set(DS_CASES) | {"fsdp2_stack"}
 
@@ -166,11 +166,13 @@ def _ds_config(offload_states: bool = False) -> dict[str, Any]:
     }
 
 
-def _tiled_mlp(offload: bool, tiled: bool = True) -> dict[str, Any]:
+def _tiled_mlp(offload: bool, tiled: bool = True, reentrant: bool = False) -> dict[str, Any]:
     """One process, no collectives: DeepSpeed's TiledMLP (MLP_SHARDS tiles) inside checkpointed decoder layers, micro
     batch 2. Its backward recomputes each tile and runs a backward per tile inside the layer's backward: those saves
-    happen during backward. `tiled=False`: the stock MLP, the reference TiledMLP must match within rounding."""
-    model = C.tiny_model("sdpa")
+    happen during backward. `tiled=False`: the stock MLP, the reference TiledMLP must match within rounding.
+    `reentrant`: reentrant checkpointing, whose recompute runs the whole layer again during backward, inside the
+    offload scope (its saves, the layer input's among them, reach hsoffload's hooks then)."""
+    model = C.tiny_model("sdpa", reentrant=reentrant)
     if tiled:
         C.tile_mlps(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -463,9 +465,10 @@ def run_case(name: str, out_dir: str) -> dict[str, Any]:
         off, on = _fsdp2(False, stack), _fsdp2(True, stack)
         return C.summary(off, on, time.perf_counter() - t0, offload_policies=on["offload_policies"],
                          mlp_shards=on["mlp_shards"], head_tiles=[off["head_tiles"], on["head_tiles"]])
-    if name == "tiled_mlp":
-        off, on = _tiled_mlp(False), _tiled_mlp(True)
-        stock = _tiled_mlp(False, tiled=False)
+    if name in ("tiled_mlp", "tiled_mlp_reentrant"):
+        reentrant = name == "tiled_mlp_reentrant"
+        off, on = _tiled_mlp(False, reentrant=reentrant), _tiled_mlp(True, reentrant=reentrant)
+        stock = _tiled_mlp(False, tiled=False, reentrant=reentrant)
         # TiledMLP against the stock MLP: the same maths in other matmul shapes, so within rounding.
         worst = max(float((a - b).abs().max()) for g, h in zip(off["grads"], stock["grads"]) for a, b in
                     ((g[n], h[n]) for n in g))
