@@ -14,7 +14,7 @@
 # instead of the GPU suite), so it can be smoke-tested: `make test-twin` runs it offline in CI with
 # the GPU machine's versions and requires every step to end ok.
 #
-# Output ($OUT, flat): summary.txt build.log pytest_gpu.log pytest_faults.log sanitizer.log demo.log demo.png bench.log bench.json
+# Output ($OUT, flat): summary.txt build.log pytest_gpu.log pytest_faults.log sanitizer.log [pytest_cp.log] demo.log demo.png bench.log bench.json
 # bench.png trace.json trace.json.png (one profiled step: copies against compute per layer)
 set -u
 START=$(date +%s) # before any probe: the budget is the script's whole wall time
@@ -75,11 +75,14 @@ try:
 except ImportError as exc:
     print("transformers missing:", exc)
 print("HAS_CUDA", int(torch.cuda.is_available()))
+print("GPU_COUNT", torch.cuda.device_count() if torch.cuda.is_available() else 0)
 EOF
 )
-grep -v '^HAS_CUDA ' <<<"$probe" | tee -a "$SUMMARY"
+grep -v -e '^HAS_CUDA ' -e '^GPU_COUNT ' <<<"$probe" | tee -a "$SUMMARY"
 HAS_CUDA=$(sed -n 's/^HAS_CUDA \([01]\)$/\1/p' <<<"$probe")
 HAS_CUDA=${HAS_CUDA:-0}
+GPU_COUNT=$(sed -n 's/^GPU_COUNT \([0-9]*\)$/\1/p' <<<"$probe")
+GPU_COUNT=${GPU_COUNT:-0}
 # cuBLAS is bit-reproducible run to run only with a fixed workspace configuration; the tests and the
 # demo compare runs bit for bit (harmless elsewhere).
 export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
@@ -122,6 +125,15 @@ grep -E "^(FAILED|ERROR)" "$OUT/pytest_faults.log" | head -n 10 | sed 's/^/    /
 TORCH_CUDA_SANITIZER=1 run_step sanitizer 60 "$OUT/sanitizer.log" \
   "$PY" -m pytest -m gpu tests/device/test_gpu.py -q -rfEs -p no:cacheprovider -k "bit_identical or race_amplification"
 grep -E "^(FAILED|ERROR)|CSAN" "$OUT/sanitizer.log" | head -n 10 | sed 's/^/    /' >>"$SUMMARY"
+
+# 2c. Context parallelism with FSDP2 (accelerate cp_size, torch's ring attention) needs 2 GPUs: only on such a machine.
+if ((GPU_COUNT >= 2)); then
+  run_step pytest_cp 120 "$OUT/pytest_cp.log" \
+    "$PY" -m pytest -m gpu tests/integrations/test_composition.py -k context_parallel -q -rfEs -p no:cacheprovider
+  grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest_cp.log" | head -n 5 | sed 's/^/    /' >>"$SUMMARY"
+else
+  say "pytest_cp: not run ($GPU_COUNT CUDA device(s); the context-parallel test needs 2)"
+fi
 
 # 3. Demo (small; on the GPU when there is one).
 run_step demo 90 "$OUT/demo.log" "$PY" -m hsoffload demo --plot "$OUT/demo.png"
