@@ -27,7 +27,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from worker_exit import leave
 
 LAYERS = 4
 STEPS = 2
@@ -365,4 +364,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from worker_exit import leave  # a sibling module: torchrun puts this folder first on sys.path
     leave(main())  # no interpreter finalization (worker_exit.py)

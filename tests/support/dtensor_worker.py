@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from worker_exit import leave
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
@@ -82,5 +81,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from worker_exit import leave  # a sibling module: torchrun puts this folder first on sys.path
     main()
     leave(0)  # no interpreter finalization (worker_exit.py)

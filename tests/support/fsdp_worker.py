@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from worker_exit import leave
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -300,4 +299,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from worker_exit import leave  # a sibling module: torchrun puts this folder first on sys.path
     leave(main())  # no interpreter finalization (worker_exit.py)
