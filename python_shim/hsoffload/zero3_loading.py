@@ -125,14 +125,23 @@ def _pieces(flat: torch.Tensor, part: int, world: int) -> list[torch.Tensor]:
     return out
 
 
+def _comm_device() -> torch.device:
+    """Where DeepSpeed's own collectives put their buffers (the accelerator's current device; the CPU on DeepSpeed's
+    CPU accelerator). A partition kept elsewhere (ZeRO-Offload on the host under NCCL) travels through a copy."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
 def _receive_slice(target: torch.Tensor, valid: int, part: int, src: int, group: Any) -> int:
     """Receive this rank's slice (a scatter from `src` of `part` elements) and write its first `valid` elements into
-    `target` (1-D, at least `valid` elements): directly when the slice has no padding, else through a buffer of
-    `part` elements. Returns the bytes written."""
-    if valid == part and target.numel() == part and target.is_contiguous():
+    `target` (1-D, at least `valid` elements): directly when the slice has no padding and `target` is on the
+    communication device, else through a buffer of `part` elements. Returns the bytes written."""
+    device = _comm_device()
+    if valid == part and target.numel() == part and target.is_contiguous() and target.device == device:
         _dist().scatter(target.view(torch.uint8), None, src=src, group=group)
     else:
-        tmp = torch.empty(part, dtype=target.dtype, device=target.device)
+        tmp = torch.empty(part, dtype=target.dtype, device=device)
         _dist().scatter(tmp.view(torch.uint8), None, src=src, group=group)
         if valid > 0:
             target.narrow(0, 0, valid).copy_(tmp.narrow(0, 0, valid))
@@ -187,15 +196,19 @@ def _make_zero_init_param(original: Callable[..., Any], patch: Any) -> Callable[
         part = self._aligned_size(param) // self._partition_world_size(param)  # as _partition_param computes it
         flat = param.data.view(-1)
         if _decide(param, rank):
-            # Only this rank's slice of the full-size buffer is written; the rest of its pages stay untouched.
-            valid = _valid(flat.numel(), part, rank)
-            got = _receive_slice(flat.narrow(0, min(rank * part, flat.numel()), valid), valid, part, src, group)
+            # DeepSpeed allocates the partition and frees the full-size buffer, which nothing wrote: reading its
+            # untouched pages maps the kernel's zero page, so it never becomes resident (nor kept by the allocator).
+            # Rank 0's values then go straight into the partition.
             full = flat.numel() * flat.element_size()
+            del flat
+            param.partition()
+            got = _receive_slice(param.ds_tensor, _valid(param.ds_numel, part, rank), part, src, group)
             _add(scattered_params=1, received_params=1, received_bytes=got, skipped_full_bytes=full - got)
         else:
             _send_slices(flat, part, world, src, group)
             _add(scattered_params=1)
-        param.partition()
+            del flat
+            param.partition()
 
     return _zero_init_param
 
@@ -240,19 +253,21 @@ class RootGatheredParameters:
     def __enter__(self) -> None:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+        device = _comm_device()
         for p in self._params:
             group = p.ds_process_group
             rank, world, src = _group_facts(group)
             part = p.ds_tensor.ds_numel
+            mine = p.ds_tensor if p.ds_tensor.device == device else p.ds_tensor.to(device)
             if _decide(p.ds_tensor, rank):
-                _dist().gather(p.ds_tensor.view(torch.uint8), None, dst=src, group=group)
+                _dist().gather(mine.view(torch.uint8), None, dst=src, group=group)
                 self._full.append(None)
                 full = p.ds_numel * p.element_size()
                 _add(gathered_params=1, skipped_full_bytes=full)
             else:
-                full = torch.empty(part * world, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
+                full = torch.empty(part * world, dtype=p.ds_tensor.dtype, device=device)
                 chunks = [c.view(torch.uint8) for c in full.chunk(world)]
-                _dist().gather(p.ds_tensor.view(torch.uint8), chunks, dst=src, group=group)
+                _dist().gather(mine.view(torch.uint8), chunks, dst=src, group=group)
                 p.data = full.narrow(0, 0, p.ds_numel).view(p.ds_shape)
                 p.ds_status = ZeroParamStatus.AVAILABLE
                 self._full.append(full)

@@ -15,6 +15,7 @@ keeps it) without raising the peak. The measurement command in docs/usage.md run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import faulthandler
 import functools
@@ -151,6 +152,14 @@ def forward_loss(model: torch.nn.Module, vocab: int) -> float:
     return out
 
 
+def load_only(kind: str, config: Any, path: str) -> torch.nn.Module:
+    import transformers
+
+    if kind == "from_config":
+        return transformers.AutoModelForCausalLM.from_config(config)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
 def load(kind: str, patched: bool, config: Any, path: str) -> dict[str, Any]:
     import transformers
 
@@ -169,10 +178,7 @@ def load(kind: str, patched: bool, config: Any, path: str) -> dict[str, Any]:
     before = _rss_mib()["VmRSS"]
     wall, cpu = time.perf_counter(), time.process_time()
     with CommBytes() as comm, InitTimer() as init:
-        if kind == "from_config":
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        else:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = load_only(kind, config, path)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     rss = _rss_mib()
     model_bytes = sum(int(p.ds_numel) * p.element_size() for p in model.parameters())
@@ -191,7 +197,7 @@ def load(kind: str, patched: bool, config: Any, path: str) -> dict[str, Any]:
         "model_bytes": model_bytes,
         "partition_bytes": partition_bytes,
         "params": sum(1 for _ in model.parameters()),
-        "stats": dict(vars(z3.stats())) if hasattr(z3.stats(), "__dict__") else z3.stats().__dict__,
+        "stats": dataclasses.asdict(z3.stats()),
     }
     z3.unpatch()
     result["digest"] = digest(model)
@@ -207,6 +213,9 @@ def main() -> int:
     p.add_argument("--plan", default="from_config:patched,from_config:stock")
     p.add_argument("--size", default="small", choices=("small", "measured"))
     p.add_argument("--checkpoint-dir", default="")
+    p.add_argument("--warmup", action="store_true",
+                   help="load a tiny model both ways first (imports, DeepSpeed's and transformers' one-time set-up), so "
+                        "the first measured load's RSS is the model's and not the code's")
     a = p.parse_args()
     faulthandler.enable()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -224,8 +233,19 @@ def main() -> int:
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(
             path, max_shard_size="30MB" if a.size == "measured" else "2MB")
+    tiny_path = os.path.join(a.out_dir, "checkpoint-warmup")
+    if a.warmup and rank == 0:
+        from hf_tiny import tiny_config
+
+        transformers.AutoModelForCausalLM.from_config(tiny_config("llama", 2)).save_pretrained(tiny_path)
     dist.barrier()
     keep = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841 -- ZeRO-3 is on while it lives
+    if a.warmup:
+        from hf_tiny import tiny_config
+
+        for mode in ("from_config", "from_pretrained"):
+            _ = load_only(mode, tiny_config("llama", 2), tiny_path)
+        gc.collect()
     results: list[dict[str, Any]] = []
     rc = 0
     for kind, variant in steps:
