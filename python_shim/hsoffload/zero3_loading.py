@@ -240,7 +240,8 @@ class RootGatheredParameters:
             _add(stock_params=len(plist))
             log_once(f"zero3-gather-stock:{reason}", logging.INFO,
                      "hsoffload.zero3_loading: GatheredParameters kept as DeepSpeed's (%s)", reason)
-            return stock(params, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=enabled)
+            return stock(plist if plist is not params else params, modifier_rank=modifier_rank,
+                         fwd_module=fwd_module, enabled=enabled)
         self = super().__new__(cls)
         self._params = sorted({id(p): p for p in plist}.values(), key=lambda p: p.ds_id)  # DeepSpeed's order
         self._full: list[Optional[torch.Tensor]] = []
@@ -296,7 +297,10 @@ class RootGatheredParameters:
         return None
 
 
-def _param_list(params: Any) -> list[Any]:
+def _param_list(params: Any) -> Any:
+    """The parameters as a list (a generator is consumed: pass the list on), or `params` itself when it is one."""
+    if isinstance(params, list):
+        return params
     if isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
         return list(params)
     return [params]
@@ -349,15 +353,22 @@ class _AttrPatch:
         self.previous: Any = None
         self.active = False
 
-    def install(self) -> None:
+    def install(self) -> bool:
+        """Wrap the attribute; False (nothing done, logged) where this DeepSpeed / transformers has none."""
         owner = self._owner()
         if self.installed is not None and getattr(owner, self.name, None) is self.installed:
             self.active = True
-            return
+            return True
+        if self.name not in owner.__dict__:
+            log_once(f"zero3-missing:{self.name}", logging.INFO,
+                     "hsoffload.zero3_loading: %s has no %s (another version): that part stays stock",
+                     getattr(owner, "__name__", owner), self.name)
+            return False
         self.previous = owner.__dict__[self.name]
         self.installed = self._make(self.previous, self)
         self.active = True
         setattr(owner, self.name, self.installed)
+        return True
 
     def remove(self) -> bool:
         if self.installed is None:

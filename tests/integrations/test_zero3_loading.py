@@ -146,3 +146,32 @@ def test_op_checks() -> None:
 
 def test_opcheck() -> None:
     torch.library.opcheck(torch.ops.hsoffload.skip_init_zero3.default, ([torch.randn(3)], 1, True))
+
+
+@needs_deepspeed
+def test_patch_is_exact_and_gathered_parameters_stay_deepspeeds_outside_loading(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    import deepspeed.runtime.zero as dz
+    import transformers.integrations.deepspeed as hd
+    import transformers.modeling_utils as mu
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    import hsoffload.zero3_loading as z3
+
+    def current() -> tuple[Any, ...]:
+        return (Init.__dict__["_zero_init_param"], dz.GatheredParameters, hd.initialize_weights_zero3,
+                hd._load_state_dict_into_zero3_model, mu._load_state_dict_into_zero3_model)
+
+    before = current()
+    z3.patch()
+    z3.patch()  # idempotent
+    try:
+        assert z3.is_patched() and dz.GatheredParameters is z3.RootGatheredParameters
+        # Outside transformers' two loading functions every rank may read gathered values: DeepSpeed's own class.
+        gathered = dz.GatheredParameters([torch.nn.Parameter(torch.ones(2))], modifier_rank=0)
+        assert type(gathered) is before[1]
+    finally:
+        assert z3.unpatch()
+    assert all(a is b for a, b in zip(before, current()))
+    assert not z3.is_patched()
