@@ -41,6 +41,9 @@ DS_CONFIG: dict[str, Any] = {
 }
 
 
+DTYPE = torch.float32  # --bf16: torch.bfloat16
+
+
 def model_config(size: str) -> Any:
     from hf_tiny import tiny_config
 
@@ -156,8 +159,8 @@ def load_only(kind: str, config: Any, path: str) -> torch.nn.Module:
     import transformers
 
     if kind == "from_config":
-        return transformers.AutoModelForCausalLM.from_config(config)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPE)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE)
 
 
 def load(kind: str, patched: bool, config: Any, path: str) -> dict[str, Any]:
@@ -213,10 +216,15 @@ def main() -> int:
     p.add_argument("--plan", default="from_config:patched,from_config:stock")
     p.add_argument("--size", default="small", choices=("small", "measured"))
     p.add_argument("--checkpoint-dir", default="")
+    p.add_argument("--bf16", action="store_true", help="DeepSpeed bf16 and the model loaded in bf16")
     p.add_argument("--warmup", action="store_true",
                    help="load a tiny model both ways first (imports, DeepSpeed's and transformers' one-time set-up), so "
                         "the first measured load's RSS is the model's and not the code's")
     a = p.parse_args()
+    if a.bf16:
+        DS_CONFIG["bf16"] = {"enabled": True}
+        global DTYPE
+        DTYPE = torch.bfloat16
     faulthandler.enable()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     logging.basicConfig(level=logging.WARNING)
