@@ -101,8 +101,16 @@ def _group_facts(group: Any) -> tuple[int, int, int]:
 
 
 def _decide(tensor: torch.Tensor, group_rank: int) -> bool:
-    """Whether this rank only receives its slice of `tensor` (the engine's decision, docs/ops.md)."""
-    return bool(torch.ops.hsoffload.skip_init_zero3([tensor], group_rank, True)[0])
+    """Whether this rank only receives its slice of `tensor` (the engine's decision, docs/ops.md). The collectives
+    need every rank but group rank 0 to receive: a decision that says otherwise is our bug, not the caller's."""
+    skip = bool(torch.ops.hsoffload.skip_init_zero3([tensor], group_rank, True)[0])
+    if skip != (group_rank != 0):
+        raise RuntimeError(f"hsoffload.zero3_loading: internal error: skip_init_zero3 decided skip={skip} for group "
+                           f"rank {group_rank} of a {tuple(tensor.shape)} {tensor.layout} tensor")
+    if skip:
+        log_once("zero3-receive", logging.INFO,
+                 "hsoffload.zero3_loading: group rank %d receives only its partitions from rank 0", group_rank)
+    return skip
 
 
 def _valid(numel: int, part: int, rank: int) -> int:
@@ -240,8 +248,7 @@ class RootGatheredParameters:
             _add(stock_params=len(plist))
             log_once(f"zero3-gather-stock:{reason}", logging.INFO,
                      "hsoffload.zero3_loading: GatheredParameters kept as DeepSpeed's (%s)", reason)
-            return stock(plist if plist is not params else params, modifier_rank=modifier_rank,
-                         fwd_module=fwd_module, enabled=enabled)
+            return stock(plist, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=enabled)
         self = super().__new__(cls)
         self._params = sorted({id(p): p for p in plist}.values(), key=lambda p: p.ds_id)  # DeepSpeed's order
         self._full: list[Optional[torch.Tensor]] = []
@@ -287,7 +294,7 @@ class RootGatheredParameters:
                 got = _receive_slice(p.ds_tensor, _valid(p.ds_numel, part, rank), part, src, group)
                 _add(received_params=1, received_bytes=got)
             else:
-                own = _send_slices(p.data.reshape(-1), part, world, src, group)
+                own = _send_slices(_flat_values(p), part, world, src, group)
                 n = _valid(p.ds_numel, part, rank)
                 if n > 0:
                     p.ds_tensor.narrow(0, 0, n).copy_(own.narrow(0, 0, n))
@@ -295,6 +302,15 @@ class RootGatheredParameters:
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         self._full = []
         return None
+
+
+def _flat_values(p: Any) -> torch.Tensor:
+    """Rank 0's full values of `p` after the body, flat, in the partition's dtype (what DeepSpeed broadcasts)."""
+    data = p.data
+    if data.numel() != p.ds_numel:
+        raise RuntimeError(f"hsoffload.zero3_loading: parameter ds_id={p.ds_id} was given {data.numel()} elements "
+                           f"inside GatheredParameters on rank 0; it has {p.ds_numel} ({tuple(p.ds_shape)})")
+    return data.reshape(-1).to(p.ds_tensor.dtype)
 
 
 def _param_list(params: Any) -> Any:
