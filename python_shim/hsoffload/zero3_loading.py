@@ -63,6 +63,9 @@ class Zero3LoadStats:
     received_bytes: int = 0  # bytes of those slices
     skipped_full_bytes: int = 0  # full-size bytes this rank did not write (full parameter bytes - its slices)
     stock_params: int = 0  # parameters left to DeepSpeed's own collectives (see the module docstring)
+    meta_read_tensors: int = 0  # from_pretrained: checkpoint entries this rank read as meta (shape and dtype only)
+    meta_read_bytes: int = 0  # their bytes, which this rank did not read
+    real_read_tensors: int = 0  # entries it read for real: the model's persistent buffers (copied on every rank)
 
 
 _stats_lock = threading.Lock()
@@ -356,6 +359,81 @@ def _armed_call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         _armed.depth -= 1
 
 
+# --------------------------------------------------------------------------- from_pretrained: no weight reads off rank 0
+
+
+_meta_read = threading.local()  # .buffers: checkpoint keys to read for real while a receiving rank loads
+
+
+def _persistent_buffer_keys(model: torch.nn.Module) -> set[str]:
+    """The model's persistent buffers under the names a checkpoint may use (with and without the base model
+    prefix, as `_load_state_dict_into_zero3_model` maps them)."""
+    persistent = set(model.state_dict(keep_vars=True))
+    names = {name for name, _ in model.named_buffers()} & persistent
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    return names | {n[len(prefix) + 1:] for n in names if prefix and n.startswith(prefix + ".")}
+
+
+def _make_load_pretrained(previous: Any, patch: Any) -> Any:
+    func = previous.__func__ if isinstance(previous, staticmethod) else previous
+
+    @functools.wraps(func)
+    def _load_pretrained_model(model: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        if not patch.active or state_dict is not None or not _receives_weights_only(model, args, kwargs):
+            return func(model, state_dict, *args, **kwargs)
+        _meta_read.buffers = _persistent_buffer_keys(model)
+        try:
+            return func(model, state_dict, *args, **kwargs)
+        finally:
+            _meta_read.buffers = None
+
+    return staticmethod(_load_pretrained_model) if isinstance(previous, staticmethod) else _load_pretrained_model
+
+
+def _receives_weights_only(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """ZeRO-3 (not quantized) and a rank other than 0, which `_load_state_dict_into_zero3_model` never loads on
+    (it tests the global rank): the op's decision with the global rank."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    load_config = args[1] if len(args) > 1 else kwargs.get("load_config")
+    dist = _dist()
+    if not is_deepspeed_zero3_enabled() or getattr(load_config, "is_quantized", False):
+        return False
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    first = next(iter(model.parameters()), None)
+    return first is not None and _decide(first, dist.get_rank())
+
+
+def _make_meta_load(original: Callable[..., Any], patch: Any) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_state_dict(checkpoint_file: Any, map_location: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
+        buffers = getattr(_meta_read, "buffers", None)
+        if not patch.active or buffers is None or map_location == "meta":
+            return original(checkpoint_file, map_location, *args, **kwargs)
+        state = original(checkpoint_file, "meta", *args, **kwargs)
+        wanted = [k for k in state if k in buffers]
+        if wanted:
+            path = str(checkpoint_file)
+            if path.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(path, framework="pt") as f:
+                    for k in wanted:
+                        state[k] = f.get_tensor(k).to(map_location)
+            else:  # a pickled checkpoint cannot be read entry by entry
+                full = original(checkpoint_file, map_location, *args, **kwargs)
+                for k in wanted:
+                    state[k] = full[k]
+                del full
+        meta = [v for k, v in state.items() if k not in buffers]
+        _add(meta_read_tensors=len(meta), meta_read_bytes=sum(v.numel() * v.element_size() for v in meta),
+             real_read_tensors=len(wanted))
+        return state
+
+    return load_state_dict
+
+
 # --------------------------------------------------------------------------- patches
 
 
@@ -372,7 +450,7 @@ class _AttrPatch:
     def install(self) -> bool:
         """Wrap the attribute; False (nothing done, logged) where this DeepSpeed / transformers has none."""
         owner = self._owner()
-        if self.installed is not None and getattr(owner, self.name, None) is self.installed:
+        if self.installed is not None and owner.__dict__.get(self.name) is self.installed:
             self.active = True
             return True
         if self.name not in owner.__dict__:
@@ -423,6 +501,12 @@ def _hf_modeling_module() -> Any:
     return m
 
 
+def _pretrained_model_class() -> Any:
+    from transformers import PreTrainedModel
+
+    return PreTrainedModel
+
+
 def _make_armed(original: Callable[..., Any], patch: Any) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -443,7 +527,9 @@ GATHERED = _AttrPatch(_ds_zero_module, "GatheredParameters", _make_gathered)
 INITIALIZE_WEIGHTS = _AttrPatch(_hf_ds_module, "initialize_weights_zero3", _make_armed)
 LOAD_ZERO3 = _AttrPatch(_hf_ds_module, "_load_state_dict_into_zero3_model", _make_armed)
 LOAD_ZERO3_MODELING = _AttrPatch(_hf_modeling_module, "_load_state_dict_into_zero3_model", _make_armed)
-_PATCHES = (ZERO_INIT_PARAM, GATHERED, INITIALIZE_WEIGHTS, LOAD_ZERO3, LOAD_ZERO3_MODELING)
+LOAD_PRETRAINED = _AttrPatch(_pretrained_model_class, "_load_pretrained_model", _make_load_pretrained)
+META_LOAD = _AttrPatch(_hf_modeling_module, "load_state_dict", _make_meta_load)
+_PATCHES = (ZERO_INIT_PARAM, GATHERED, INITIALIZE_WEIGHTS, LOAD_ZERO3, LOAD_ZERO3_MODELING, LOAD_PRETRAINED, META_LOAD)
 _lock = threading.Lock()
 
 

@@ -6,7 +6,8 @@ Llama (about 14 MB) under ZeRO-3 four times in one launch: `from_config` (zero.I
 safetensors checkpoint), each with the patch and stock. Asserted: every full parameter and buffer, and a forward loss,
 equal bit for bit between patched and stock on both ranks; on rank 1 no byte arrives through a full-size broadcast or
 all-gather (stock: at least twice the model's bytes, counted independently around torch.distributed) and the patch
-received exactly its partition of every parameter, twice per load; rank 0 received nothing and sent every parameter.
+received exactly its partition of every parameter, twice per load, and read every checkpoint entry as meta (shape
+and dtype only); rank 0 received nothing, read everything and sent every parameter.
 Rank 1's peak RSS is reported, not asserted (one load per process is what measures it: docs/usage.md's command).
 
 In process: the op's decision table, its argument checks and opcheck.
@@ -99,6 +100,10 @@ def test_rank1_receives_only_its_partition(runs: dict[int, Any], kind: str) -> N
     assert s["received_bytes"] <= 2 * part  # only its slices (without the last partition's padding)
     # Full-size bytes it wrote nowhere: zero.Init's full copy less its slice, and the whole gathered copy.
     assert s["skipped_full_bytes"] == 2 * model - s["received_bytes"] // 2
+    if kind == "from_pretrained":  # it read the checkpoint's names, shapes and dtypes only (no persistent buffers)
+        assert s["meta_read_tensors"] == n and s["meta_read_bytes"] == model and s["real_read_tensors"] == 0
+    else:
+        assert s["meta_read_tensors"] == 0
     print(f"\nrank 1 {kind}: peak RSS above its level before the call {patched['peak_rss_delta_mib']:.1f} MiB patched "
           f"(first load of the process), partition {part / 2**20:.1f} MiB, model {model / 2**20:.1f} MiB; "
           f"CPU in initialize_weights_zero3 {patched['init_cpu_s']:.3f} s patched, {stock['init_cpu_s']:.3f} s stock")
@@ -109,7 +114,7 @@ def test_rank1_receives_only_its_partition(runs: dict[int, Any], kind: str) -> N
 def test_rank0_is_the_source(runs: dict[int, Any], kind: str) -> None:
     s = runs[0][(kind, True)]["stats"]
     n = runs[0][(kind, True)]["params"]
-    assert s["received_params"] == 0 and s["skipped_full_bytes"] == 0
+    assert s["received_params"] == 0 and s["skipped_full_bytes"] == 0 and s["meta_read_tensors"] == 0
     assert s["scattered_params"] == n and s["gathered_params"] == n
 
 
@@ -161,7 +166,8 @@ def test_patch_is_exact_and_gathered_parameters_stay_deepspeeds_outside_loading(
 
     def current() -> tuple[Any, ...]:
         return (Init.__dict__["_zero_init_param"], dz.GatheredParameters, hd.initialize_weights_zero3,
-                hd._load_state_dict_into_zero3_model, mu._load_state_dict_into_zero3_model)
+                hd._load_state_dict_into_zero3_model, mu._load_state_dict_into_zero3_model, mu.load_state_dict,
+                mu.PreTrainedModel.__dict__["_load_pretrained_model"])
 
     before = current()
     z3.patch()
