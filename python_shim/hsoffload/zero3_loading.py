@@ -21,6 +21,11 @@ everywhere. A receiving rank writes only its own slice of the full-size buffer D
 it never touches) or its partition directly; rank 0 does what it did before. Each rank's partition ends up with
 the same bytes as stock (rank 0's values, sliced; the padding of the last partition as stock leaves it).
 
+`from_pretrained` also has every rank merge the whole checkpoint into one state dict, though only global rank 0 loads
+from it: on a receiving rank the patch reads it as meta tensors (names, shapes, dtypes; transformers' own
+`load_state_dict(map_location="meta")`), the model's persistent buffers among them for real (every rank copies those).
+That matters most where transformers reads checkpoints whole instead of memory-mapping them (`disable_mmap`, hf-mount).
+
 Which rank receives is decided by `torch.ops.hsoffload.skip_init_zero3` (docs/ops.md) from the rank in the
 parameter's partition group; the tensors it flags are recorded in an `InitSkipRecord` (the counters).
 
@@ -50,7 +55,7 @@ from ._logging import log_once
 
 logger = logging.getLogger("hsoffload")
 
-__all__ = ["Zero3LoadStats", "is_patched", "patch", "reset_stats", "stats", "unpatch"]
+__all__ = ["RootGatheredParameters", "Zero3LoadStats", "is_patched", "patch", "reset_stats", "stats", "unpatch"]
 
 
 @dataclasses.dataclass(frozen=True)
