@@ -229,7 +229,7 @@ def _make_zero_init_param(original: Callable[..., Any], patch: Any) -> Callable[
     return _zero_init_param
 
 
-# --------------------------------------------------------------------------- GatheredParameters(modifier_rank=0) on rank 0 only
+# ------------------------------------------------------------------ GatheredParameters(modifier_rank=0) on rank 0 only
 
 
 _armed = threading.local()  # .depth > 0 while this thread runs a patched transformers function
@@ -364,7 +364,7 @@ def _armed_call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         _armed.depth -= 1
 
 
-# --------------------------------------------------------------------------- from_pretrained: no weight reads off rank 0
+# ------------------------------------------------------------------ from_pretrained: no weight reads off rank 0
 
 
 _meta_read = threading.local()  # .buffers: checkpoint keys to read for real while a receiving rank loads

@@ -218,7 +218,7 @@ def main() -> int:
     p.add_argument("--checkpoint-dir", default="")
     p.add_argument("--bf16", action="store_true", help="DeepSpeed bf16 and the model loaded in bf16")
     p.add_argument("--warmup", action="store_true",
-                   help="load a tiny model both ways first (imports, DeepSpeed's and transformers' one-time set-up), so "
+                   help="load a tiny model both ways first (imports, DeepSpeed and transformers set-up), so "
                         "the first measured load's RSS is the model's and not the code's")
     a = p.parse_args()
     if a.bf16:
