@@ -25,6 +25,12 @@ SkipDecision decide_skip_init(const RankFacts& facts) {
   return {true, SkipReason::kSkip};
 }
 
+SkipDecision decide_skip_init_zero3(int64_t group_rank, bool zero3_enabled) {
+  if (!zero3_enabled) return {false, SkipReason::kZero3Disabled};
+  if (group_rank == 0) return {false, SkipReason::kGlobalRankZero};
+  return {true, SkipReason::kZero3Skip};
+}
+
 const char* describe(SkipReason reason) {
   switch (reason) {
     case SkipReason::kSkip:
@@ -39,6 +45,10 @@ const char* describe(SkipReason reason) {
       return "local rank 0 loads the real weights on its node";
     case SkipReason::kInconsistentRanks:
       return "LOCAL_RANK is larger than the global rank; rank facts are inconsistent, keeping stock behaviour";
+    case SkipReason::kZero3Skip:
+      return "ZeRO-3 rank other than its partition group's rank 0: it receives only its own partition from rank 0";
+    case SkipReason::kZero3Disabled:
+      return "ZeRO-3 is not active for this load (transformers' is_deepspeed_zero3_enabled() false, or quantized)";
   }
   return "unknown";
 }

@@ -45,5 +45,7 @@ void empty_pool();
 c10::List<bool> skip_init_non_rank0(const std::vector<at::Tensor>& tensors, int64_t rank, int64_t local_rank,
                                     bool fsdp_enabled, bool cpu_ram_efficient_loading,
                                     const std::optional<c10::intrusive_ptr<InitSkipRecordHolder>>& record);
+c10::List<bool> skip_init_zero3(const std::vector<at::Tensor>& tensors, int64_t group_rank, bool zero3_enabled,
+                                const std::optional<c10::intrusive_ptr<InitSkipRecordHolder>>& record);
 
 }  // namespace hsoffload::ops

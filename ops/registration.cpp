@@ -101,6 +101,15 @@ TORCH_LIBRARY(hsoffload, m) {
       "skip_init_non_rank0(Tensor[] tensors, int rank, int local_rank, bool fsdp_enabled, "
       "bool cpu_ram_efficient_loading, __torch__.torch.classes.hsoffload.InitSkipRecord? record=None) -> bool[]",
       &skip_init_non_rank0);
+
+  // ZeRO-3 RAM-efficient loading (sibling of skip_init_non_rank0): returns, per tensor, whether this process skips
+  // initialising / reading it because it receives only its own partition from rank 0 of the ZeRO-3 partition group
+  // (every rank but group rank 0 while ZeRO-3 is active), and records those storages in `record`. Same note on (a!)
+  // as above. See docs/ops.md.
+  m.def(
+      "skip_init_zero3(Tensor[] tensors, int group_rank, bool zero3_enabled, "
+      "__torch__.torch.classes.hsoffload.InitSkipRecord? record=None) -> bool[]",
+      &skip_init_zero3);
 }
 
 }  // namespace hsoffload::ops

@@ -13,17 +13,10 @@
 
 namespace hsoffload::ops {
 
-c10::List<bool> skip_init_non_rank0(const std::vector<at::Tensor>& tensors, int64_t rank, int64_t local_rank,
-                                    bool fsdp_enabled, bool cpu_ram_efficient_loading,
-                                    const std::optional<c10::intrusive_ptr<InitSkipRecordHolder>>& record) {
-  TORCH_CHECK_VALUE(rank >= -1, "skip_init_non_rank0: rank must be the process group rank or -1 without one, got ",
-                    rank);
-  TORCH_CHECK_VALUE(local_rank >= -1,
-                    "skip_init_non_rank0: local_rank must be the node-local rank (LOCAL_RANK) or -1 when unknown, got ",
-                    local_rank);
-  TORCH_CHECK_VALUE(!fsdp_enabled || rank >= 0, "skip_init_non_rank0: fsdp_enabled=True needs an initialized process ",
-                    "group, so rank must be >= 0 (torch.distributed.get_rank()), got ", rank);
-  const SkipDecision decision = decide_skip_init(RankFacts{rank, local_rank, fsdp_enabled, cpu_ram_efficient_loading});
+namespace {
+// Sets the record's decision and flags every tensor the decision skips (one bool per tensor, in order).
+c10::List<bool> flag_all(const std::vector<at::Tensor>& tensors, SkipDecision decision,
+                         const std::optional<c10::intrusive_ptr<InitSkipRecordHolder>>& record) {
   InitSkipRecord* target = record.has_value() && *record ? (*record)->record.get() : nullptr;
   if (target != nullptr) target->set_decision(decision);
 
@@ -37,6 +30,30 @@ c10::List<bool> skip_init_non_rank0(const std::vector<at::Tensor>& tensors, int6
     out.push_back(skip);
   }
   return out;
+}
+}  // namespace
+
+c10::List<bool> skip_init_non_rank0(const std::vector<at::Tensor>& tensors, int64_t rank, int64_t local_rank,
+                                    bool fsdp_enabled, bool cpu_ram_efficient_loading,
+                                    const std::optional<c10::intrusive_ptr<InitSkipRecordHolder>>& record) {
+  TORCH_CHECK_VALUE(rank >= -1, "skip_init_non_rank0: rank must be the process group rank or -1 without one, got ",
+                    rank);
+  TORCH_CHECK_VALUE(local_rank >= -1,
+                    "skip_init_non_rank0: local_rank must be the node-local rank (LOCAL_RANK) or -1 when unknown, got ",
+                    local_rank);
+  TORCH_CHECK_VALUE(!fsdp_enabled || rank >= 0, "skip_init_non_rank0: fsdp_enabled=True needs an initialized process ",
+                    "group, so rank must be >= 0 (torch.distributed.get_rank()), got ", rank);
+  const SkipDecision decision = decide_skip_init(RankFacts{rank, local_rank, fsdp_enabled, cpu_ram_efficient_loading});
+  return flag_all(tensors, decision, record);
+}
+
+c10::List<bool> skip_init_zero3(const std::vector<at::Tensor>& tensors, int64_t group_rank, bool zero3_enabled,
+                                const std::optional<c10::intrusive_ptr<InitSkipRecordHolder>>& record) {
+  TORCH_CHECK_VALUE(group_rank >= -1, "skip_init_zero3: group_rank must be the rank in the parameters' ZeRO-3 ",
+                    "partition group, or -1 without a process group, got ", group_rank);
+  TORCH_CHECK_VALUE(!zero3_enabled || group_rank >= 0, "skip_init_zero3: zero3_enabled=True needs an initialized ",
+                    "process group, so group_rank must be >= 0, got ", group_rank);
+  return flag_all(tensors, decide_skip_init_zero3(group_rank, zero3_enabled), record);
 }
 
 c10::intrusive_ptr<InitSkipRecordHolder> make_init_skip_record() { return c10::make_intrusive<InitSkipRecordHolder>(); }

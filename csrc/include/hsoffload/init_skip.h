@@ -45,6 +45,8 @@ enum class SkipReason {
   kGlobalRankZero,         // the broadcast source must hold real, initialised values
   kLocalRankZero,          // transformers loads real weights on every node's local rank 0
   kInconsistentRanks,      // local_rank > rank: the facts contradict each other, stay stock
+  kZero3Skip,              // ZeRO-3, not the partition group's rank 0: receives only its partition from rank 0
+  kZero3Disabled,          // ZeRO-3 not active (or a load it does not cover): stock
 };
 
 struct SkipDecision {
@@ -56,6 +58,14 @@ struct SkipDecision {
 // LOCAL_RANK says, so a wrong or missing LOCAL_RANK cannot leave the broadcast
 // source uninitialised.
 SkipDecision decide_skip_init(const RankFacts& facts);
+
+// The ZeRO-3 decision for one process (skip_init_zero3): under ZeRO-3 only
+// rank 0 of a parameter's partition group initialises or reads full weights
+// (transformers runs init and checkpoint loads on that rank inside
+// GatheredParameters(modifier_rank=0)); every other rank only receives its own
+// partition. `group_rank` is the rank in that group, -1 without a process
+// group. Local ranks play no part: ZeRO-3 has one source per group, not per node.
+SkipDecision decide_skip_init_zero3(int64_t group_rank, bool zero3_enabled);
 
 // One-line human description of a reason (for logs).
 const char* describe(SkipReason reason);

@@ -1,0 +1,183 @@
+"""ZeRO-3 RAM-efficient loading (hsoffload.zero3_loading, op skip_init_zero3; issue 28 item 5).
+
+End to end: 2 CPU ranks under torchrun (`DS_ACCELERATOR=cpu`, gloo), tests/support/zero3_loading_worker.py loads a
+Llama (about 14 MB) under ZeRO-3 four times in one launch: `from_config` (zero.Init + transformers' gathered
+`initialize_weights_zero3`) and `from_pretrained` (zero.Init + `_load_state_dict_into_zero3_model` of a sharded
+safetensors checkpoint), each with the patch and stock. Asserted: every full parameter and buffer, and a forward loss,
+equal bit for bit between patched and stock on both ranks; on rank 1 no byte arrives through a full-size broadcast or
+all-gather (stock: at least twice the model's bytes, counted independently around torch.distributed) and the patch
+received exactly its partition of every parameter, twice per load, and read every checkpoint entry as meta (shape
+and dtype only); rank 0 received nothing, read everything and sent every parameter.
+Rank 1's peak RSS is reported, not asserted (one load per process is what measures it: docs/usage.md's command).
+
+In process: the op's decision table, its argument checks and opcheck.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hsoffload
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "support" / "zero3_loading_worker.py"
+PLAN = "from_config:patched,from_config:stock,from_pretrained:patched,from_pretrained:stock"
+
+
+def _deepspeed_missing() -> str:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed in this environment (`make install` pins it: requirements/deepspeed.txt)"
+    return ""
+
+
+needs_deepspeed = pytest.mark.skipif(bool(_deepspeed_missing()), reason=_deepspeed_missing() or "deepspeed present")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[tuple[str, bool], dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("zero3_loading")
+    env = dict(os.environ)
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    paths = [str(Path(hsoffload.__file__).resolve().parents[1])]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env.update(PYTHONPATH=os.pathsep.join(paths), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))  # as test_deepspeed.py
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
+           "--out-dir", str(out), "--plan", PLAN, "--warmup"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    results: dict[int, dict[tuple[str, bool], dict[str, Any]]] = {}
+    for rank in (0, 1):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), proc.stdout[-4000:] + proc.stderr[-8000:]
+        loads = json.loads(path.read_text())
+        for r in loads:
+            assert "error" not in r, f"rank {rank} {r['kind']} patched={r['patched']} raised:\n{r['error']}"
+        results[rank] = {(r["kind"], r["patched"]): r for r in loads}
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    print(f"\nzero3 loading launch: {time.perf_counter() - t0:.1f} s")
+    return results
+
+
+KINDS = ("from_config", "from_pretrained")
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("kind", KINDS)
+def test_parameters_and_loss_equal_stock(runs: dict[int, Any], kind: str) -> None:
+    for rank in (0, 1):
+        patched, stock = runs[rank][(kind, True)], runs[rank][(kind, False)]
+        assert patched["digest"] == stock["digest"], f"rank {rank}: full parameters/buffers differ from stock"
+        assert patched["loss"] == stock["loss"]  # bit for bit (floats from the same bytes compare equal)
+    assert runs[0][(kind, True)]["digest"] == runs[1][(kind, True)]["digest"]
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank1_receives_only_its_partition(runs: dict[int, Any], kind: str) -> None:
+    patched, stock = runs[1][(kind, True)], runs[1][(kind, False)]
+    n, model, part = patched["params"], patched["model_bytes"], patched["partition_bytes"]
+    # Stock writes full-size buffers on rank 1: zero.Init's broadcast, then the gathered init or load (all-gather in,
+    # broadcast out); the independent counter sees at least twice the model.
+    assert stock["full_collective_bytes"] >= 2 * model
+    assert patched["full_collective_bytes"] == 0
+    s = patched["stats"]
+    assert s["stock_params"] == 0
+    assert s["scattered_params"] == n and s["gathered_params"] == n  # zero.Init, then the gathered init / load
+    assert s["received_params"] == 2 * n
+    assert s["received_bytes"] <= 2 * part  # only its slices (without the last partition's padding)
+    # Full-size bytes it wrote nowhere: zero.Init's full copy less its slice, and the whole gathered copy.
+    assert s["skipped_full_bytes"] == 2 * model - s["received_bytes"] // 2
+    if kind == "from_pretrained":  # it read the checkpoint's names, shapes and dtypes only (no persistent buffers)
+        assert s["meta_read_tensors"] == n and s["meta_read_bytes"] == model and s["real_read_tensors"] == 0
+    else:
+        assert s["meta_read_tensors"] == 0
+    print(f"\nrank 1 {kind}: peak RSS above its level before the call {patched['peak_rss_delta_mib']:.1f} MiB patched "
+          f"(first load of the process), partition {part / 2**20:.1f} MiB, model {model / 2**20:.1f} MiB; "
+          f"CPU in initialize_weights_zero3 {patched['init_cpu_s']:.3f} s patched, {stock['init_cpu_s']:.3f} s stock")
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank0_is_the_source(runs: dict[int, Any], kind: str) -> None:
+    s = runs[0][(kind, True)]["stats"]
+    n = runs[0][(kind, True)]["params"]
+    assert s["received_params"] == 0 and s["skipped_full_bytes"] == 0 and s["meta_read_tensors"] == 0
+    assert s["scattered_params"] == n and s["gathered_params"] == n
+
+
+# --------------------------------------------------------------------------- the op
+
+
+@pytest.mark.parametrize(
+    "group_rank,zero3,skip,reason",
+    [
+        (1, True, True, "ZeRO-3 rank other than"),
+        (3, True, True, "ZeRO-3 rank other than"),
+        (0, True, False, "rank 0"),
+        (1, False, False, "ZeRO-3 is not active"),
+        (-1, False, False, "ZeRO-3 is not active"),
+    ],
+)
+def test_decision(group_rank: int, zero3: bool, skip: bool, reason: str) -> None:
+    p = torch.nn.Parameter(torch.randn(3))
+    rec = torch.classes.hsoffload.InitSkipRecord()
+    assert torch.ops.hsoffload.skip_init_zero3([p, p.detach()[1:]], group_rank, zero3, rec) == [skip, skip]
+    assert rec.skip() is skip and reason in rec.reason()
+    assert rec.is_flagged(p) is skip
+    assert rec.stats()["flagged_bytes"] == (12 if skip else 0)
+
+
+def test_op_checks() -> None:
+    with pytest.raises(ValueError, match="group_rank must be >= 0"):
+        torch.ops.hsoffload.skip_init_zero3([], -1, True)
+    with pytest.raises(ValueError, match="group_rank must be the rank"):
+        torch.ops.hsoffload.skip_init_zero3([], -2, False)
+    sparse = torch.zeros(2).to_sparse()
+    assert torch.ops.hsoffload.skip_init_zero3([torch.ones(2), sparse], 1, True) == [True, False]
+
+
+def test_opcheck() -> None:
+    torch.library.opcheck(torch.ops.hsoffload.skip_init_zero3.default, ([torch.randn(3)], 1, True))
+
+
+@needs_deepspeed
+def test_patch_is_exact_and_gathered_parameters_stay_deepspeeds_outside_loading(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    import deepspeed.runtime.zero as dz
+    import transformers.integrations.deepspeed as hd
+    import transformers.modeling_utils as mu
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    import hsoffload.zero3_loading as z3
+
+    def current() -> tuple[Any, ...]:
+        return (Init.__dict__["_zero_init_param"], dz.GatheredParameters, hd.initialize_weights_zero3,
+                hd._load_state_dict_into_zero3_model, mu._load_state_dict_into_zero3_model, mu.load_state_dict,
+                mu.PreTrainedModel.__dict__["_load_pretrained_model"])
+
+    before = current()
+    z3.patch()
+    z3.patch()  # idempotent
+    try:
+        assert z3.is_patched() and dz.GatheredParameters is z3.RootGatheredParameters
+        # Outside transformers' two loading functions every rank may read gathered values: DeepSpeed's own class.
+        gathered = dz.GatheredParameters([torch.nn.Parameter(torch.ones(2))], modifier_rank=0)
+        assert type(gathered) is before[1]
+    finally:
+        assert z3.unpatch()
+    assert all(a is b for a, b in zip(before, current()))
+    assert not z3.is_patched()

@@ -1,0 +1,276 @@
+"""One rank of the ZeRO-3 RAM-efficient loading check (tests/integrations/test_zero3_loading.py; issue 28 item 5).
+
+Loads a Llama under ZeRO-3 (an `HfDeepSpeedConfig` alive, `DS_ACCELERATOR=cpu`, gloo) several times in one process,
+in the order `--plan` gives (`from_config:patched,from_config:stock,...`): `from_config` (zero.Init, then
+transformers' gathered `initialize_weights_zero3`) or `from_pretrained` of a 4-shard safetensors checkpoint, each
+stock or with `hsoffload.zero3_loading.patch()`. Per load and rank: peak RSS above the level just before the call
+(VmHWM reset through /proc/self/clear_refs), wall and CPU time of the load and of `initialize_weights_zero3`, bytes
+this rank received through full-size broadcasts / all-gathers (an independent counter around torch.distributed), the
+patch's counters, a digest of every full parameter and buffer, and one forward loss through a DeepSpeed engine.
+
+RSS only means something for the first load of a process: a later load reuses memory an earlier one freed (glibc
+keeps it) without raising the peak. The measurement command in docs/usage.md runs one load per launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import faulthandler
+import functools
+import gc
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from worker_exit import leave
+
+DS_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "steps_per_print": 10**9,
+    "wall_clock_breakdown": False,
+}
+
+
+DTYPE = torch.float32  # --bf16: torch.bfloat16
+
+
+def model_config(size: str) -> Any:
+    from hf_tiny import tiny_config
+
+    if size == "small":  # ~6 MiB: the test's size
+        config = tiny_config("llama", 4)
+        config.hidden_size, config.intermediate_size, config.vocab_size = 256, 768, 2048
+        config.num_attention_heads, config.num_key_value_heads = 4, 2
+    else:  # ~107 MiB (8 layers, hidden 512, vocab 8192): the measured size
+        config = tiny_config("llama", 8)
+        config.hidden_size, config.intermediate_size, config.vocab_size = 512, 1536, 8192
+        config.num_attention_heads, config.num_key_value_heads = 8, 4
+    return config
+
+
+def _rss_mib() -> dict[str, float]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS", "VmHWM")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+class CommBytes:
+    """Bytes this rank receives through full-size collectives (broadcast, all-gather) while installed: counted
+    around torch.distributed's functions, which DeepSpeed's torch backend calls by attribute at each call."""
+
+    NAMES = ("broadcast", "all_gather_into_tensor", "_all_gather_base", "all_gather")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._saved: dict[str, Callable[..., Any]] = {}
+
+    def __enter__(self) -> "CommBytes":
+        for name in self.NAMES:
+            original = getattr(dist, name)
+            self._saved[name] = original
+            setattr(dist, name, self._wrap(name, original))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            t = args[0] if args else kwargs.get("tensor", kwargs.get("output_tensor", kwargs.get("tensor_list")))
+            tensors = t if isinstance(t, (list, tuple)) else [t]
+            if name != "broadcast" or (kwargs.get("src", args[1] if len(args) > 1 else 0) != dist.get_rank()):
+                self.bytes += sum(x.numel() * x.element_size() for x in tensors if isinstance(x, torch.Tensor))
+            return original(*args, **kwargs)
+
+        return counted
+
+
+class InitTimer:
+    """Wall and CPU seconds this rank spends in transformers' `initialize_weights_zero3` (outermost wrapper)."""
+
+    def __init__(self) -> None:
+        import transformers.integrations.deepspeed as m
+
+        self._m = m
+        self.wall = self.cpu = 0.0
+
+    def __enter__(self) -> "InitTimer":
+        self._original = self._m.initialize_weights_zero3
+
+        @functools.wraps(self._original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            w, c = time.perf_counter(), time.process_time()
+            try:
+                return self._original(*args, **kwargs)
+            finally:
+                self.wall += time.perf_counter() - w
+                self.cpu += time.process_time() - c
+
+        self._m.initialize_weights_zero3 = timed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._m.initialize_weights_zero3 = self._original
+
+
+def digest(model: torch.nn.Module) -> str:
+    """sha256 over every full parameter (gathered with DeepSpeed's own GatheredParameters) and buffer."""
+    import deepspeed
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            h.update(name.encode() + p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    for name, b in model.named_buffers():
+        h.update(name.encode() + b.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def forward_loss(model: torch.nn.Module, vocab: int) -> float:
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, config=DS_CONFIG)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, vocab, (1, 16), generator=g)
+    with torch.no_grad():
+        loss = engine(input_ids=ids, labels=ids).loss
+    out = float(loss.item())
+    engine.destroy()
+    return out
+
+
+def load_only(kind: str, config: Any, path: str) -> torch.nn.Module:
+    import transformers
+
+    if kind == "from_config":
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPE)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE)
+
+
+def load(kind: str, patched: bool, config: Any, path: str) -> dict[str, Any]:
+    import transformers
+
+    import hsoffload.zero3_loading as z3
+
+    if patched:
+        z3.patch()
+    else:
+        z3.unpatch()
+    z3.reset_stats()
+    gc.collect()
+    dist.barrier()
+    torch.manual_seed(1234)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _rss_mib()["VmRSS"]
+    wall, cpu = time.perf_counter(), time.process_time()
+    with CommBytes() as comm, InitTimer() as init:
+        model = load_only(kind, config, path)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    rss = _rss_mib()
+    model_bytes = sum(int(p.ds_numel) * p.element_size() for p in model.parameters())
+    partition_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
+    result = {
+        "kind": kind,
+        "patched": patched,
+        "rank": dist.get_rank(),
+        "peak_rss_delta_mib": rss["VmHWM"] - before,
+        "rss_after_delta_mib": rss["VmRSS"] - before,
+        "load_wall_s": wall,
+        "load_cpu_s": cpu,
+        "init_wall_s": init.wall,
+        "init_cpu_s": init.cpu,
+        "full_collective_bytes": comm.bytes,
+        "model_bytes": model_bytes,
+        "partition_bytes": partition_bytes,
+        "params": sum(1 for _ in model.parameters()),
+        "stats": dataclasses.asdict(z3.stats()),
+    }
+    z3.unpatch()
+    result["digest"] = digest(model)
+    result["loss"] = forward_loss(model, config.vocab_size)
+    del model
+    gc.collect()
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--plan", default="from_config:patched,from_config:stock")
+    p.add_argument("--size", default="small", choices=("small", "measured"))
+    p.add_argument("--checkpoint-dir", default="")
+    p.add_argument("--bf16", action="store_true", help="DeepSpeed bf16 and the model loaded in bf16")
+    p.add_argument("--warmup", action="store_true",
+                   help="load a tiny model both ways first (imports, DeepSpeed and transformers set-up), so "
+                        "the first measured load's RSS is the model's and not the code's")
+    a = p.parse_args()
+    if a.bf16:
+        DS_CONFIG["bf16"] = {"enabled": True}
+        global DTYPE
+        DTYPE = torch.bfloat16
+    faulthandler.enable()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    logging.basicConfig(level=logging.WARNING)
+    import deepspeed
+    import transformers
+    from transformers.integrations import HfDeepSpeedConfig
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    config = model_config(a.size)
+    steps = [tuple(s.split(":")) for s in a.plan.split(",") if s]
+    path = a.checkpoint_dir or os.path.join(a.out_dir, f"checkpoint-{a.size}")
+    if any(kind == "from_pretrained" for kind, _ in steps) and rank == 0 and not os.path.isdir(path):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(
+            path, max_shard_size="30MB" if a.size == "measured" else "2MB")
+    tiny_path = os.path.join(a.out_dir, "checkpoint-warmup")
+    if a.warmup and rank == 0:
+        from hf_tiny import tiny_config
+
+        transformers.AutoModelForCausalLM.from_config(tiny_config("llama", 2)).save_pretrained(tiny_path)
+    dist.barrier()
+    keep = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841 -- ZeRO-3 is on while it lives
+    if a.warmup:
+        from hf_tiny import tiny_config
+
+        for mode in ("from_config", "from_pretrained"):
+            _ = load_only(mode, tiny_config("llama", 2), tiny_path)
+        gc.collect()
+    results: list[dict[str, Any]] = []
+    rc = 0
+    for kind, variant in steps:
+        try:
+            results.append(load(kind, variant == "patched", config, path))
+        except Exception:  # recorded; the test fails on it with the traceback
+            results.append({"kind": kind, "patched": variant == "patched", "error": traceback.format_exc()})
+            rc = 1
+            break
+    with open(os.path.join(a.out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    for r in results:
+        print(json.dumps({k: v for k, v in r.items() if k not in ("digest", "stats")}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    leave(rc)
+
+
+if __name__ == "__main__":
+    main()
