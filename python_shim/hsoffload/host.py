@@ -3,7 +3,9 @@
 Thin readers and setters over the engine's static ops (`torch.classes.hsoffload.OffloadScope.*`). The pool is the
 pinned memory that holds host copies (bounded by the pool limit, `OffloadConfig.max_pool_bytes`); the budget bounds
 the offloaded bytes resident in it (`max_host_bytes`), past which packs spill or stay on the device.
-Thread-safety: the engine serialises every call; nothing here holds state of its own.
+Thread-safety: the engine serialises every call. The state held here (the room left to other libraries such as
+ZeRO-Offload, `set_host_room`, and the limit this module set as auto's resolution) is guarded by `_auto_lock`;
+it is process-wide by intent, as the budget it feeds.
 """
 
 from __future__ import annotations
