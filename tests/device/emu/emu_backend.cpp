@@ -563,6 +563,8 @@ TORCH_LIBRARY(hsemu, m) {
   m.def("device_capacity() -> int", [] { return hsemu::device_capacity(); });
   // While set, every pinned host allocation raises.
   m.def("set_pinned_alloc_fault(bool on) -> ()", [](bool on) { hsemu::set_pinned_alloc_fault(on); });
+  // Jobs queued on stream `id` so far (copies, waits, poison fills): which streams a piece of work used.
+  m.def("enqueued(int id) -> int", [](int64_t id) { return static_cast<int64_t>(hsemu::enqueued(id)); });
   // True if `id` is a high-priority pool stream.
   m.def("is_high_priority(int id) -> bool", [](int64_t id) { return hsemu::is_high_priority(id); });
 }

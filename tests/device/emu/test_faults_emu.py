@@ -173,8 +173,12 @@ def test_side_streams_are_one_pair_per_device_per_process(dev):
     for _ in range(3):
         for _ in range(8):
             torch.Stream(dev)  # other users of torch's stream pools
+        pair = tuple(torch.classes.hsoffload.OffloadScope.side_streams(dev))
+        before = [int(torch.ops.hsemu.enqueued(s)) for s in pair]
         _step(model, x, {"min_offload_size": 0})
-        seen.append(tuple(torch.classes.hsoffload.OffloadScope.side_streams(dev)))
+        after = [int(torch.ops.hsemu.enqueued(s)) for s in pair]
+        assert all(a > b for a, b in zip(after, before)), (pair, before, after)  # this scope's copies ran on them
+        seen.append(pair)
     assert len(set(seen)) == 1, seen
     d2h, h2d = seen[0]
     assert d2h != h2d and d2h != 0 and h2d != 0, seen
