@@ -111,7 +111,11 @@ class CheckpointHiddenStatesOffload(OffloadScope):
         self._depth = 0  # nested entries of this instance on its thread (Axolotl's module accepts them)
 
     def _engine_stats(self) -> OffloadStats:
-        return from_engine(OffloadStats, self._scope.stats())
+        engine = from_engine(OffloadStats, self._scope.stats())
+        # Saves made during backward stay in the shim (hsoffload.passthrough) and never reach the engine; Axolotl's
+        # module counts every tensor its pack hook sees, so they count here too.
+        seen = engine.saved_tensors_seen + self.passthrough_stats.backward_saves
+        return dataclasses.replace(engine, saved_tensors_seen=seen)
 
     @property
     def stats(self) -> CheckpointActivationOffloadStats:  # type: ignore[override]
