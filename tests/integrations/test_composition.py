@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 
-import hsoffload
+from support.launch import torchrun_env
 from support import composition as C
 from support import composition_worker as W  # the case lists (importing it imports neither DeepSpeed nor TRL)
 
@@ -68,15 +67,7 @@ def _cases() -> list[str]:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every case that can run here, in one torchrun launch; rank 0's and rank 1's results."""
     out = tmp_path_factory.mktemp("composition")
-    env = dict(os.environ)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    paths = [str(Path(hsoffload.__file__).resolve().parents[1])]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    # DeepSpeed's JIT-built shared-memory op is cached where the DeepSpeed suite caches it (inside the environment).
-    env.update(PYTHONPATH=os.pathsep.join(paths), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
            "--out-dir", str(out), "--cases", ",".join(_cases())]
     t0 = time.perf_counter()
@@ -300,12 +291,7 @@ def _cuda_devices() -> int:
 def test_context_parallel_fsdp2_ring_attention(tmp_path: Path) -> None:
     """accelerate `ParallelismConfig(cp_size=2)` with FSDP2 and torch's ring attention (sdpa), 2 GPUs (nccl): each rank
     offloads its own sequence shard, bit for bit against the same run without offload."""
-    env = dict(os.environ)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(hsoffload.__file__).resolve().parents[1])] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
+    env = torchrun_env(deepspeed=False)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
            "--out-dir", str(tmp_path), "--cases", "cp_fsdp2", "--backend", "nccl"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)

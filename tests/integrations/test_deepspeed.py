@@ -29,6 +29,7 @@ import hsoffload
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "deepspeed_worker.py"
+from support.launch import torchrun_env
 from support import deepspeed_worker as W  # the case list and sizes (importing it does not import DeepSpeed)
 
 
@@ -43,23 +44,10 @@ def _deepspeed_missing() -> str:
 needs_deepspeed = pytest.mark.skipif(bool(_deepspeed_missing()), reason=_deepspeed_missing() or "deepspeed present")
 
 
-def extensions_dir() -> str:
-    """Where DeepSpeed's JIT-built shared-memory op is cached unless $TORCH_EXTENSIONS_DIR says otherwise: inside the
-    environment, so it lives as long as the environment CI keeps (about 45 s to build on 2 cores)."""
-    return str(Path(sys.prefix) / "torch_extensions")
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("deepspeed")
-    env = dict(os.environ)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    paths = [str(Path(hsoffload.__file__).resolve().parents[1])]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env.update(PYTHONPATH=os.pathsep.join(paths), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
            "--out-dir", str(out)]
     t0 = time.perf_counter()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,7 +26,8 @@ from typing import Any
 import pytest
 import torch
 
-import hsoffload
+import hsoffload  # noqa: F401  (the op library: torch.classes.hsoffload below)
+from support.launch import torchrun_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "zero3_loading_worker.py"
@@ -46,14 +46,7 @@ needs_deepspeed = pytest.mark.skipif(bool(_deepspeed_missing()), reason=_deepspe
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[tuple[str, bool], dict[str, Any]]]:
     out = tmp_path_factory.mktemp("zero3_loading")
-    env = dict(os.environ)
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    paths = [str(Path(hsoffload.__file__).resolve().parents[1])]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env.update(PYTHONPATH=os.pathsep.join(paths), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))  # as test_deepspeed.py
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
            "--out-dir", str(out), "--plan", PLAN, "--warmup"]
     t0 = time.perf_counter()
