@@ -16,6 +16,7 @@ Two questions, per rank:
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import math
@@ -58,6 +59,7 @@ class PlanInput:
     cpu_offload: str = "none"  # none, optimizer (optimizer states + float32 masters on the host) or params (all)
     fused_kernels: str = "none"  # none or liger (RMSNorm, SwiGLU, fused linear cross-entropy)
     sequence_parallel_kind: str = "ulysses"  # ulysses (all-to-all of heads) or ring (key/value chunks)
+    experts_implementation: Optional[str] = None  # MoE: grouped_mm or eager; None: what the installed transformers picks
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -127,6 +129,17 @@ def default_device_bytes() -> int:
     return 80 * (1 << 30)
 
 
+def default_experts_implementation() -> str:
+    """What transformers picks for an MoE model's experts when nobody asks: "grouped_mm" from 5.0 (and when
+    transformers is not installed: the current default), "eager" (the expert loop) before."""
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "grouped_mm"
+    major = version.split(".", 1)[0]
+    return "eager" if major.isdigit() and int(major) < 5 else "grouped_mm"
+
+
 def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
     """The validated Setup for `inp` (PlanError on what cannot work)."""
     if inp.dtype not in _DTYPES:
@@ -143,6 +156,7 @@ def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
         prefetch_depth=inp.prefetch_depth, optimizer=inp.optimizer, selective_checkpointing=policy == "sac",
         cpu_offload=inp.cpu_offload, fused_kernels=inp.fused_kernels,
         sequence_parallel_kind=inp.sequence_parallel_kind,
+        experts_implementation=inp.experts_implementation or default_experts_implementation(),
     )
     if setup.fused_kernels == "liger":  # Liger's fused linear cross-entropy is a chunked loss of Liger's size
         setup = dataclasses.replace(setup, chunked_loss=True)
@@ -342,6 +356,7 @@ def plan(inp: PlanInput) -> dict[str, Any]:
         "sequence_parallel_kind": setup.sequence_parallel_kind,
         "cpu_offload": setup.cpu_offload,
         "fused_kernels": setup.fused_kernels,
+        "experts_implementation": setup.experts_implementation if shape.moe_layers else None,
         "tiled_mlp": setup.tiled_mlp,
         "chunked_loss": setup.chunked_loss,
         "optimizer": setup.optimizer,
@@ -457,6 +472,8 @@ def format_plan(p: dict[str, Any]) -> str:
         knobs.append(f"sequence parallel {p['sequence_parallel']} ({kind})")
     if p["fused_kernels"] != "none":
         knobs.append(f"{p['fused_kernels']} kernels")
+    if p["experts_implementation"]:
+        knobs.append(f"experts {p['experts_implementation']}")
     if p["tiled_mlp"] > 1:
         knobs.append(f"tiled MLP {p['tiled_mlp']}")
     if p["chunked_loss"]:

@@ -39,7 +39,11 @@ within 10 % on tiny Llama, Qwen3 and Qwen3-MoE models. What they assume:
   gradients in flight).
 - ``fused_kernels`` "liger": Liger's RMSNorm (saves its input and a float32 inverse RMS per row), SwiGLU (saves gate
   and up; the product is down_proj's input) and fused linear cross-entropy (the chunked loss), from their autograd
-  functions; MoE expert MLPs are left as transformers' loop.
+  functions; MoE experts are left as transformers runs them.
+- MoE experts (``experts_implementation``): "grouped_mm", transformers 5.x's default (the routed tokens sorted by
+  expert and gathered, one grouped GEMM per projection, the outputs weighted, put back in token order and summed
+  over the top-k; checked at Qwen3-30B-A3B's real widths under FakeTensorMode), or "eager", the loop over the experts
+  hit (checked on the emulated device at small widths).
 - Offload (policy ``hidden_states``/``sac``): what backward holds stays on the device for the layer in backward,
   ``prefetch_depth`` restored ahead, one being copied in forward, and the last ``keep_last_layers``. Policy ``all``
   (no checkpointing): every layer's saved tensors, with the same window; the head's stay on the device.
@@ -73,6 +77,10 @@ FUSED_KERNELS = ("none", "liger")
 # Sequence parallelism: "ulysses" (DeepSpeed Ulysses / ALST: all-to-all to whole sequences for heads / D heads),
 # "ring" (ring attention, torch's context parallel: each rank keeps its queries and passes key/value chunks round).
 SEQUENCE_PARALLEL_KINDS = ("ulysses", "ring")
+# How an MoE block runs its routed experts (transformers' `experts_implementation`): "grouped_mm" (transformers 5.x's
+# default: tokens sorted by expert, one grouped GEMM per projection) or "eager" (a loop over the experts hit, as in
+# transformers 4.x and 5.x's "eager").
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")
 
 
 class PlanError(ValueError):
@@ -234,6 +242,7 @@ class Setup:
     cpu_offload: str = "none"  # one of CPU_OFFLOAD
     fused_kernels: str = "none"  # one of FUSED_KERNELS ("liger" implies chunked_loss: its fused linear cross-entropy)
     sequence_parallel_kind: str = "ulysses"  # one of SEQUENCE_PARALLEL_KINDS
+    experts_implementation: str = "grouped_mm"  # one of EXPERTS_IMPLEMENTATIONS (MoE models only)
 
     @property
     def liger(self) -> bool:
@@ -271,7 +280,9 @@ class Setup:
         for name, value, allowed in (("cpu_offload", self.cpu_offload, CPU_OFFLOAD),
                                      ("fused_kernels", self.fused_kernels, FUSED_KERNELS),
                                      ("sequence_parallel_kind", self.sequence_parallel_kind,
-                                      SEQUENCE_PARALLEL_KINDS)):
+                                      SEQUENCE_PARALLEL_KINDS),
+                                     ("experts_implementation", self.experts_implementation,
+                                      EXPERTS_IMPLEMENTATIONS)):
             if value not in allowed:
                 raise PlanError(f"hsoffload plan: --{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
                                 f"got {value!r}")
@@ -570,36 +581,57 @@ def mlp_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """What the MLP saves for backward. Dense gated MLP: gate, act(gate), up, their product (4 x intermediate per
     token; Liger's SwiGLU saves gate and up only, recomputing act in backward, and down_proj the product: 3). MoE (transformers' expert loop): per routed token the gathered input, gate_up, act, product, the
     expert's output and its weighted output (which `index_add_`'s backward keeps for its shape), plus the router's
-    float32 probabilities and a shared expert. With tiled_mlp N only the input is saved (each chunk is recomputed
+    float32 probabilities and a shared expert; grouped_mm keeps the gathered input instead of the weighted output (see
+    below). With tiled_mlp N only the input is saved (each chunk is recomputed
     in backward)."""
     t, b = s.tokens, s.dtype_bytes
     if s.tiled_mlp > 1:
         return t * shape.hidden * b
     if not moe:
         return (3 if s.liger else 4) * t * shape.intermediate * b
-    routed = t * shape.experts_per_token * (3 * shape.hidden + 4 * shape.expert_intermediate) * b
-    router = t * shape.experts * (b + F32)
     shared = 4 * t * shape.shared_expert_intermediate * b
+    routed_tokens = t * shape.experts_per_token
+    if s.experts_implementation == "grouped_mm":
+        # Per routed token: the gathered input and the down projection's output (hidden each), gate_up, act and
+        # their product (4 x intermediate); the routing weight and three int64 indices (the gather's, the weights'
+        # and the inverse permutation's); the router's float32 probabilities and top-k values and indices.
+        routed = routed_tokens * ((2 * shape.hidden + 4 * shape.expert_intermediate) * b + b + 3 * 8)
+        router = t * shape.experts * F32 + routed_tokens * (F32 + 8)
+        return routed + router + shared
+    routed = routed_tokens * (3 * shape.hidden + 4 * shape.expert_intermediate) * b
+    router = t * shape.experts * (b + F32)
     return routed + router + shared
 
 
 def moe_routing_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
-    """The routed-token bookkeeping of an MoE block's forward (transformers' expert loop), alive while its experts
-    run and freed with it: the int64 one-hot expert mask (tokens x experts-per-token x (experts + 1)), the top-k
-    indices (int64) and weights (the dtype), and the output accumulator the routed tokens are added into."""
+    """The routed-token bookkeeping of an MoE block's forward, alive while its experts run and freed with it. The
+    expert loop: the int64 one-hot expert mask (tokens x experts-per-token x (experts + 1)), the top-k indices (int64)
+    and weights (the dtype), and the output accumulator the routed tokens are added into. grouped_mm: the routed
+    outputs twice over (weighted, then in token order) and the sort's bookkeeping."""
     if not moe:
         return 0
     t, k = s.tokens, shape.experts_per_token
+    if s.experts_implementation == "grouped_mm":
+        # The weighted outputs and their copy back in token order (routed tokens x hidden each) before the top-k sum;
+        # the sort's int64 keys and permutation, histc's float32 input, the inverse permutation's arange.
+        return 2 * t * k * shape.hidden * s.dtype_bytes + t * k * (3 * 8 + F32)
     return t * k * (shape.experts + 1) * 8 + t * k * (8 + s.dtype_bytes) + hidden_bytes(shape, s)
 
 
 def mlp_forward_live_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """The MLP's tensors alive at once in a forward without grad (checkpointing's first forward). Dense: three
     intermediates (eager: act, up and their product, gate freed; Liger's SwiGLU: gate, up and the product), one
-    chunk's when tiled. MoE: three quarters of what it would save, and its routing bookkeeping."""
+    chunk's when tiled. MoE, expert loop: three quarters of what it would save, and its routing bookkeeping;
+    grouped_mm: the gathered input, the down projection's output and the routing bookkeeping."""
     t, b = s.tokens, s.dtype_bytes
     if not moe:
         return 3 * t * shape.intermediate * b // max(1, s.tiled_mlp)
+    if s.experts_implementation == "grouped_mm":
+        # The gathered input (a local of the experts' forward until it returns) and the down projection's output
+        # with the routing bookkeeping, per chunk when tiled.
+        untiled = dataclasses.replace(s, tiled_mlp=1)
+        live = 2 * t * shape.experts_per_token * shape.hidden * b + moe_routing_bytes(shape, untiled, moe)
+        return live // max(1, s.tiled_mlp) + 4 * t * shape.shared_expert_intermediate * b // max(1, s.tiled_mlp)
     saved = mlp_chunk_bytes(shape, s, moe) if s.tiled_mlp > 1 else mlp_saved_bytes(shape, s, moe)
     return saved * 3 // 4 + moe_routing_bytes(shape, s, moe)
 
@@ -616,6 +648,8 @@ def mlp_backward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     MoE: also one expert's weight gradient made full-size by indexing the stacked
     expert weights (select backward) before it is accumulated."""
     t, b = s.tokens, s.dtype_bytes
+    if moe and s.experts_implementation == "grouped_mm":
+        return grouped_mm_backward_transient_bytes(shape, s)
     inter = shape.intermediate if not moe else shape.expert_intermediate
     routed_tokens = t if not moe else t * shape.experts_per_token // max(1, shape.experts)
     grads = 1 if s.liger and not moe else 2
@@ -626,6 +660,18 @@ def mlp_backward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     if moe:
         extra += 3 * shape.hidden * shape.expert_intermediate * shape.experts * b
     return extra
+
+
+def grouped_mm_backward_transient_bytes(shape: ModelShape, s: Setup) -> int:
+    """grouped_mm's backward beyond what the block saves. The down projection's end comes first: the output's
+    gradient put back in expert order, the gradient through the routing weights and their product with the saved
+    output (three routed x hidden), before any of the layer's expert weight gradients exist; the phase counts those
+    gradients already, so only what exceeds them is added. Further on, the gradients in flight (gate_up's, the
+    gathered input's) are no larger than the saved tensors freed before them. Per chunk when tiled."""
+    routed = s.tokens * shape.experts_per_token // max(1, s.tiled_mlp)
+    down_end = 3 * routed * shape.hidden * s.dtype_bytes + mlp_chunk_bytes(shape, s, True)
+    expert_gradients = 3 * shape.experts * shape.hidden * shape.expert_intermediate * s.dtype_bytes // s.shards
+    return max(0, down_end - expert_gradients)
 
 
 def layer_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
