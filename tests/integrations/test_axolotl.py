@@ -353,6 +353,44 @@ def test_plugin_installs_fsdp_loading_patch_for_ram_efficient_loading() -> None:
     assert not fsdp.is_patched()
 
 
+def test_plugin_installs_zero3_loading_patch_for_a_zero3_deepspeed_config(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A ZeRO-3 `deepspeed` config (a path, as Axolotl's configs give it, or a dict) installs
+    hsoffload.zero3_loading before the model loads, unless hsoffload_zero3_loading: false; ZeRO-2 does not, and
+    asking for it there warns. What the patch does on 2 ranks: tests/integrations/test_zero3_loading.py."""
+    pytest.importorskip("deepspeed")
+    from hsoffload import _logging, zero3_loading
+    from hsoffload.axolotl_plugin import deepspeed_zero_stage
+
+    zero3 = tmp_path / "zero3.json"
+    zero3.write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}')
+    zero2 = tmp_path / "zero2.json"
+    zero2.write_text('{"zero_optimization": {"stage": 2}}')
+    assert not zero3_loading.is_patched()
+    assert deepspeed_zero_stage(Cfg()) is None and deepspeed_zero_stage(Cfg(deepspeed=str(zero2))) == 2
+    try:
+        for cfg in (Cfg(deepspeed=str(zero2)), Cfg(deepspeed=str(zero3), hsoffload_zero3_loading=False)):
+            HsOffloadPlugin().pre_model_load(cfg)
+            assert not zero3_loading.is_patched(), cfg
+        HsOffloadPlugin().pre_model_load(Cfg(deepspeed=str(zero3)))
+        assert zero3_loading.is_patched()
+        zero3_loading.unpatch()
+        HsOffloadPlugin().pre_model_load(Cfg(deepspeed={"zero_optimization": {"stage": 3}}))
+        assert zero3_loading.is_patched()
+    finally:
+        zero3_loading.unpatch()
+    assert not zero3_loading.is_patched()
+    _logging.forget_logged()
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        HsOffloadPlugin().pre_model_load(Cfg(deepspeed=str(zero2), hsoffload_zero3_loading=True))
+    assert "hsoffload_zero3_loading: true does nothing without a ZeRO-3 deepspeed config" in caplog.text
+    assert not zero3_loading.is_patched()
+    with pytest.raises(ValueError, match="missing.json: not a readable DeepSpeed JSON config"):
+        HsOffloadPlugin().pre_model_load(Cfg(deepspeed=str(tmp_path / "missing.json")))
+    with pytest.raises(ValueError, match="hsoffload_zero3_loading"):
+        HsOffloadPlugin().register(Cfg(hsoffload_zero3_loading="yes"))
+
+
 def test_plugin_refuses_unknown_keys_naming_the_closest() -> None:
     plugin = HsOffloadPlugin()
     with pytest.raises(ValueError, match="unknown Axolotl config key hsoffload_prefetch_dept; did you mean "

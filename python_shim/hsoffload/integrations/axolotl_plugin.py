@@ -24,6 +24,12 @@ In the Axolotl YAML::
     hsoffload_keep_last_layers: 0         # the last k decoder layers keep their tensors on the GPU
     hsoffload_offload_fraction: 1.0       # share of the other decoder layers (the first ones) that offload
     hsoffload_offload_output_head: false  # policy all: also the output head's saved tensors
+    hsoffload_zero3_loading: true         # DeepSpeed ZeRO-3 (`deepspeed:` a stage-3 config): ranks other than rank 0
+                                          # receive only their partition while the model loads (hsoffload.zero3_loading)
+
+RAM-efficient loading does not need `activation_offloading`: FSDP's `cpu_ram_efficient_loading` installs
+`hsoffload.fsdp.patch()`, a ZeRO-3 `deepspeed` config `hsoffload.zero3_loading.patch()` (on every rank, as the
+plugin runs on every rank), both before the model is loaded.
 
 What it does once Axolotl has built its trainer (`post_trainer_create`): it turns Axolotl's own
 offload context for that mode into a no-op, puts torch's reentrant `CheckpointFunction` back if
@@ -38,14 +44,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import logging
+import os
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch.utils.checkpoint
 
 from .trainer import enable_hidden_state_offload
 from ..patch import patch
-from .._logging import route_info_to
+from .._logging import log_once, route_info_to
 from ..config import OffloadConfig, parse_bytes
 
 logger = logging.getLogger("hsoffload")
@@ -78,6 +87,7 @@ KEYS: dict[str, tuple[type, str]] = {
     "hsoffload_keep_last_layers": (int, "an int >= 0"),
     "hsoffload_offload_fraction": (float, "a number from 0 to 1"),
     "hsoffload_offload_output_head": (bool, "true or false"),
+    "hsoffload_zero3_loading": (bool, "true or false"),
 }
 
 try:
@@ -100,6 +110,7 @@ try:
         hsoffload_keep_last_layers: Optional[StrictInt] = Field(default=None, ge=0)
         hsoffload_offload_fraction: Optional[float] = Field(default=None, ge=0.0, le=1.0)
         hsoffload_offload_output_head: Optional[StrictBool] = None
+        hsoffload_zero3_loading: Optional[StrictBool] = None
 
 except ImportError:  # pragma: no cover - pydantic ships with Axolotl
     HsOffloadArgs = None  # type: ignore[assignment,misc]
@@ -178,6 +189,27 @@ def wants_ram_efficient_loading(cfg: Any) -> bool:
     return bool(getter("cpu_ram_efficient_loading") or getter("fsdp_cpu_ram_efficient_loading"))
 
 
+def deepspeed_zero_stage(cfg: Any) -> Optional[int]:
+    """The ZeRO stage of Axolotl's `deepspeed` key (a JSON file's path or a dict), None without one. A file that
+    cannot be read raises ValueError naming it (Axolotl would fail on it a moment later)."""
+    ds = _cfg_get(cfg, "deepspeed")
+    if not ds:
+        return None
+    if isinstance(ds, (str, os.PathLike)):
+        try:
+            ds = json.loads(Path(ds).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"hsoffload: deepspeed: {ds}: not a readable DeepSpeed JSON config ({exc})") from None
+    zero = ds.get("zero_optimization") if isinstance(ds, dict) else None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return int(stage) if isinstance(stage, (int, str)) and str(stage).isdigit() else None
+
+
+def wants_zero3_loading(cfg: Any) -> bool:
+    """True for a ZeRO-3 `deepspeed` config unless `hsoffload_zero3_loading: false`."""
+    return _cfg_get(cfg, "hsoffload_zero3_loading") is not False and deepspeed_zero_stage(cfg) == 3
+
+
 def offload_config(cfg: Any) -> OffloadConfig:
     """The `OffloadConfig` for an Axolotl config (`hsoffload_*` keys; defaults where unset)."""
     values = {
@@ -239,6 +271,14 @@ class HsOffloadPlugin(BasePlugin):
 
             fsdp.patch()
             logger.info("hsoffload: FSDP cpu_ram_efficient_loading: non-rank-0 weight init is skipped (hsoffload.fsdp)")
+        if wants_zero3_loading(cfg):
+            from .. import zero3_loading
+
+            zero3_loading.patch()  # logs what it patched
+        elif _cfg_get(cfg, "hsoffload_zero3_loading") and deepspeed_zero_stage(cfg) != 3:
+            log_once("zero3_loading_without_zero3", logging.WARNING,
+                     "hsoffload: hsoffload_zero3_loading: true does nothing without a ZeRO-3 deepspeed config "
+                     "(deepspeed: a JSON with zero_optimization.stage 3)")
 
     def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
         if not is_enabled(cfg):
