@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <new>
+#include <sstream>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -459,13 +460,11 @@ std::shared_ptr<OffloadRecord> OffloadScope::offload_locked(const at::Tensor& x,
     // (pinned memory exhausted): then the tensor stays on the device, counted, never an error out of the hook.
     try {
       host = acquire_host_block(*pool_, bytes, x.device(), config_.pin_memory);
-    } catch (const c10::Error&) {
-      host_alloc_failed_ = true;
-      count(stats_, &OffloadStats::host_alloc_failures, 1);
+    } catch (const c10::Error& e) {
+      note_host_alloc_failure_locked(e.what_without_backtrace());
       return nullptr;
-    } catch (const std::bad_alloc&) {
-      host_alloc_failed_ = true;
-      count(stats_, &OffloadStats::host_alloc_failures, 1);
+    } catch (const std::bad_alloc& e) {
+      note_host_alloc_failure_locked(e.what());
       return nullptr;
     }
   }
@@ -508,16 +507,31 @@ bool OffloadScope::reserve_or_keep(int64_t bytes, bool pinned) {
       return false;  // failed earlier in this entry: do not pay for another failing pinned allocation per pack
     }
   }
+  std::string error;
   try {
     pool_->reserve(bytes, pinned);
     return true;
-  } catch (const c10::Error&) {
-  } catch (const std::bad_alloc&) {
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  } catch (const std::bad_alloc& e) {
+    error = e.what();
   }
   std::lock_guard<std::mutex> lock(*mutex_);
+  note_host_alloc_failure_locked(error);
+  return false;
+}
+
+void OffloadScope::note_host_alloc_failure_locked(const std::string& error) {
   host_alloc_failed_ = true;
   count(stats_, &OffloadStats::host_alloc_failures, 1);
-  return false;
+  if (first_host_alloc_error_.empty()) {
+    first_host_alloc_error_ = error.empty() ? std::string("(no message)") : error;
+  }
+}
+
+std::string OffloadScope::first_host_alloc_error() const {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  return first_host_alloc_error_;
 }
 
 void OffloadScope::copy_to_host_locked(OffloadRecord& record, const at::Tensor& x, HostBlock host) {
@@ -678,18 +692,50 @@ void OffloadScope::copy_to_device_locked(OffloadRecord& record) {
   restore.h2d_done = std::move(order.done);
 }
 
+namespace {
+
+// What a user needs next to the allocator's own message when a restore backward cannot do without finds no device
+// memory: which op, how much, what was tried, and the knobs. The exception keeps its type (torch.OutOfMemoryError).
+void add_restore_oom_context(c10::OutOfMemoryError& e, int64_t bytes, int64_t dropped, int64_t prefetch_depth) {
+  std::ostringstream msg;
+  msg << "hsoffload offload_unpack: no device memory to restore an offloaded tensor of " << bytes
+      << " bytes that backward needs now";
+  if (dropped > 0) {
+    msg << ", even after giving back the " << dropped << " tensor(s) prefetched ahead (prefetch_depth="
+        << prefetch_depth << ")";
+  } else {
+    msg << " (no prefetched tensors held; prefetch_depth=" << prefetch_depth << ")";
+  }
+  msg << ". The step's backward needs more device memory than is free with one layer restored at a time: shorten "
+         "the sequence or micro-batch, use a tiled MLP or a chunked loss, keep fewer tensors on the device "
+         "(keep_last_layers=0), or compare with `hsoffload plan <config> --seq-len N`.";
+  e.add_context(msg.str());
+}
+
+}  // namespace
+
 void OffloadScope::restore_now_locked(OffloadRecord& record) {
+  int64_t dropped = 0;
   try {
     copy_to_device_locked(record);
     return;
-  } catch (const c10::OutOfMemoryError&) {
+  } catch (c10::OutOfMemoryError& e) {
     // Blocks prefetched ahead of their unpack may hold the room this restore needs: give them back and try once
     // more (they are copied again when their unpack comes), and prefetch no more in this pass (each failed
     // allocation makes a caching allocator free its whole cache). With none held, the device is really full.
-    if (drop_prefetched_locked() == 0) throw;
+    dropped = drop_prefetched_locked();
+    if (dropped == 0) {
+      add_restore_oom_context(e, record.bytes(), 0, config_.prefetch_depth);
+      throw;
+    }
     prefetch_paused_ = true;
   }
-  copy_to_device_locked(record);
+  try {
+    copy_to_device_locked(record);
+  } catch (c10::OutOfMemoryError& e) {
+    add_restore_oom_context(e, record.bytes(), dropped, config_.prefetch_depth);
+    throw;
+  }
 }
 
 int64_t OffloadScope::drop_prefetched_locked() {

@@ -36,6 +36,9 @@ TORCH_LIBRARY(hsoffload, m) {
       .def("stats", &scope_stats)
       // The counters of the scope's spill store (HSOFFLOAD_SPILL_STATS; zeros without spill_dir).
       .def("spill_stats", &scope_spill_stats)
+      // What the scope's first failed host allocation raised ("" if none): quoted by the Python warning.
+      .def("first_host_alloc_error",
+           [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->first_host_alloc_error(); })
       .def("tracked_state",
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->tracked_state(); })
       // Every scope's counters summed over the process (HSOFFLOAD_OFFLOAD_STATS).

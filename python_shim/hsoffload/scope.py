@@ -352,9 +352,10 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 "(counted in kept_on_device_tensors). The host budget is %d bytes (max_host_bytes); the system could "
                 "not pin that much: lower max_host_bytes (or HSOFFLOAD_MAX_HOST_BYTES), call hsoffload.reserve_host() "
                 "before training so the pool pins its memory up front, or free host memory. See "
-                "scope.stats.host_alloc_failures.",
+                "scope.stats.host_alloc_failures. The first failure: %s",
                 stats.host_alloc_failures,
                 budget_stats().limit,
+                str(self._scope.first_host_alloc_error()).strip() or "(no message)",
             )
         if stats.prefetch_oom > 0 or stats.prefetch_dropped > 0:
             log_once(

@@ -138,6 +138,9 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // (counted in captured_passthrough): nothing is copied, allocated, recorded or queried.
   std::shared_ptr<SavedHandle> pack(const at::Tensor& x, bool capturing = false);
   OffloadStats stats() const;
+  // What the first failed host (pinned) allocation of this scope raised ("" when none failed): the warning that
+  // counts host_alloc_failures quotes it.
+  std::string first_host_alloc_error() const;
   // The counters of the spill store this scope writes to (zeros without spill_dir).
   SpillStats spill_stats() const;
   const OffloadConfig& config() const { return config_; }
@@ -201,6 +204,8 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   void restore_now_locked(OffloadRecord& record);
   // Drops every block prefetched ahead of its unpack (counted in prefetch_dropped); returns how many.
   int64_t drop_prefetched_locked();
+  // Counts a failed host allocation, stops further tries in this entry and keeps the first message.
+  void note_host_alloc_failure_locked(const std::string& error);
   // Starts the prefetches that follow restoring `record`. The first that finds no device memory (prefetch_oom)
   // gives back every prefetched block and pauses prefetch for the rest of the pass: an out-of-memory prefetch
   // never fails a step, and from there the device holds what prefetch_depth 0 would.
@@ -241,6 +246,7 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   bool prefetch_paused_ = false;
   // A host allocation failed in this entry: later packs keep their tensors on the device without trying again.
   bool host_alloc_failed_ = false;
+  std::string first_host_alloc_error_;  // the first failure's message, kept for the warning (first_host_alloc_error)
   // Expired marks/records are pruned when the lists reach this size (amortised O(1)).
   size_t prune_at_ = 64;
   // Sources in memory the device's allocator does not own, kept referenced until their copy to host has read them

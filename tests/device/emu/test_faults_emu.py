@@ -4,6 +4,7 @@ graph task that ends early, and the side streams' ownership. Each compares again
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
@@ -11,12 +12,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import hsemu
 import hsoffload
 from hsoffload import OffloadScope
-from support import hf_tiny
+from support import hf_tiny, waits
 from support.device_model import LinearStack
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -118,6 +120,36 @@ def test_a_prefetch_without_device_memory_never_fails_a_step_that_fits(dev):
     assert s.restored_bytes == s.offloaded_bytes, s  # every record restored once: on demand after the OOM
 
 
+def test_a_restore_without_device_memory_raises_naming_the_op_and_what_to_do(dev):
+    """A restore backward needs now, on a device without room for it and nothing prefetched to give back: the
+    allocator's OutOfMemoryError (type kept, so code catching torch.OutOfMemoryError still does) carries which op
+    failed, the bytes, prefetch_depth and the knobs; the scope exits clean (the pool's blocks all back)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256).to(dev)
+    x = torch.randn(4096, 256, device=dev)
+    mark = torch.ops.hsoffload.mark_hidden_state
+    in_use = hsoffload.pool_stats().in_use_bytes
+    with OffloadScope(min_offload_size=0, prefetch_depth=0) as scope:
+        h = mark(x * 1)
+        loss = checkpoint(lambda t: torch.tanh(lin(t)).sum(), h, use_reentrant=False)
+        del h
+        assert scope.stats.offloaded_tensors == 1, scope.stats
+        hsemu.synchronize()
+        room = hsemu.stats()["allocated_bytes"] + (1 << 20)  # 1 MiB free: the 4 MiB input cannot come back
+        with hsemu.device_capacity(room), pytest.raises(torch.OutOfMemoryError) as err:
+            loss.backward()
+        del loss
+    msg = str(err.value)
+    assert ("hsoffload offload_unpack: no device memory to restore an offloaded tensor of 4194304 bytes that "
+            "backward needs now (no prefetched tensors held; prefetch_depth=0)") in msg, msg
+    assert "keep_last_layers=0" in msg and "hsoffload plan" in msg, msg
+    del err  # its traceback holds backward's frames, and through them the graph
+    # The device's autograd worker thread drops its share of the failed graph task when it next runs: poll.
+    waits.until(lambda: gc.collect() >= 0 and hsoffload.pool_stats().in_use_bytes == in_use, hsoffload.pool_stats)
+
+
 def test_a_failed_pinned_allocation_keeps_the_tensor_on_the_device(dev, caplog):
     """The pinned allocation a pack needs fails: the tensor stays on the device (kept, counted, logged once with the
     knob), never an exception out of the pack hook; gradients bitwise equal to no offload."""
@@ -131,7 +163,10 @@ def test_a_failed_pinned_allocation_keeps_the_tensor_on_the_device(dev, caplog):
     _assert_same(ref, got)
     s = got[2]
     assert s.host_alloc_failures >= 1 and s.kept_on_device_tensors == 4 and s.offloaded_tensors == 0, s
-    assert any("host (pinned) allocations failed" in r.getMessage() for r in caplog.records)
+    warned = [r.getMessage() for r in caplog.records if "host (pinned) allocations failed" in r.getMessage()]
+    assert len(warned) == 1, warned
+    # the allocator's own words follow, so the user sees why (the emulated fault's message)
+    assert "The first failure: hsemu: pinned host allocation of" in warned[0], warned[0]
     after = _step(model, x, {"min_offload_size": 0})  # pinning works again: offload resumes
     _assert_same(ref, after)
     assert after[2].offloaded_tensors == 4, after[2]
