@@ -615,6 +615,7 @@ def max_seq(inp: PlanInput, step: int = 1024) -> dict[str, Any]:
             "model_states_device_bytes": pm.model_states_device_bytes(shape, base),
             "model_states_host_bytes_per_node": pm.model_states_host_bytes(shape, on_host) * local,
             "cpu_offload": base.cpu_offload, "fused_kernels": base.fused_kernels,
+            "experts_implementation": base.experts_implementation if shape.moe_layers else None,
             "sequence_parallel_kind": base.sequence_parallel_kind,
             "micro_batch": inp.micro_batch, "dtype": inp.dtype, "attn": base.attn, "policy": base.offload,
             "host_ram_bytes": inp.host_ram_bytes, "step": step, "rows": rows}
@@ -632,7 +633,8 @@ def format_max_seq(r: dict[str, Any]) -> str:
             return "none fits"
         return f"{n:,} ({row[f'{col}_peak_bytes'] / _GIB:,.1f} GiB, {row[f'{col}_dominant_term']})"
 
-    given = "".join([f", {r['fused_kernels']} kernels" if r["fused_kernels"] != "none" else "",
+    given = "".join([f", experts {r['experts_implementation']}" if r["experts_implementation"] else "",
+                     f", {r['fused_kernels']} kernels" if r["fused_kernels"] != "none" else "",
                      f", {_CPU_OFFLOAD[r['cpu_offload']]}" if r["cpu_offload"] != "none" else "",
                      f", sequence parallelism {_SEQUENCE_PARALLEL_KINDS[r['sequence_parallel_kind']]}"
                      if r["world_size"] > 1 else ""])

@@ -1,7 +1,9 @@
 """Every shell block marked `<!-- runnable -->` in README.md and docs/*.md runs exactly as written.
 
 Each line of such a block runs with bash in the repository root, with the test interpreter's environment first on
-PATH (`python`, `hsoffload`), and must exit 0. Blocks without the marker (installs, multi-minute commands, `make test`
+PATH (`python`, `hsoffload`), and must exit 0. A block of one command followed by a plain ``` block (no language)
+shows that command's output: it must print exactly that (trailing spaces aside), so printed plans cannot go stale
+when the planner changes. Blocks without the marker (installs, multi-minute commands, `make test`
 itself) are not run here; CI runs `make test` and `make demo` is the demo's own test.
 """
 
@@ -18,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 _MARKER = "<!-- runnable -->"
 _BLOCK = re.compile(re.escape(_MARKER) + r"\s*\n```(?:bash|sh|shell)\n(.*?)```", re.S)
+# A runnable block of one command, then its output in a plain block.
+_SHOWN = re.compile(re.escape(_MARKER) + r"\s*\n```(?:bash|sh|shell)\n([^\n]*)\n```\s*\n```\n(.*?)```", re.S)
 
 
 def _commands() -> list[tuple[str, str]]:
@@ -34,16 +38,42 @@ def _commands() -> list[tuple[str, str]]:
 COMMANDS = _commands()
 
 
+def _shown_outputs() -> list[tuple[str, str, str]]:
+    return [(doc.name, command.strip(), shown)
+            for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+            for command, shown in _SHOWN.findall(doc.read_text())]
+
+
+SHOWN = _shown_outputs()
+
+
+def _run(command: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("HSOFFLOAD_LIBRARY", None)  # the command must find the library the documented way
+    env.pop("PYTHONPATH", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
 def test_docs_have_runnable_commands() -> None:
     assert COMMANDS, f"no {_MARKER} shell block found in README.md or docs/"
 
 
 @pytest.mark.parametrize("doc, command", COMMANDS, ids=[f"{d}:{c[:40]}" for d, c in COMMANDS])
 def test_documented_command_runs_as_written(doc: str, command: str, tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.pop("HSOFFLOAD_LIBRARY", None)  # the command must find the library the documented way
-    env.pop("PYTHONPATH", None)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    out = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = _run(command)
     assert out.returncode == 0, f"{doc}: `{command}` exited {out.returncode}:\n{(out.stdout + out.stderr)[-3000:]}"
+
+
+def test_docs_show_outputs() -> None:
+    assert any(command.startswith("hsoffload plan") for _, command, _ in SHOWN), "no shown plan output found"
+
+
+@pytest.mark.parametrize("doc, command, shown", SHOWN, ids=[f"{d}:{c[:40]}" for d, c, _ in SHOWN])
+def test_documented_output_is_what_the_command_prints(doc: str, command: str, shown: str) -> None:
+    out = _run(command)
+    assert out.returncode == 0, f"{doc}: `{command}` exited {out.returncode}:\n{(out.stdout + out.stderr)[-3000:]}"
+    printed = [line.rstrip() for line in out.stdout.strip().splitlines()]
+    assert printed == [line.rstrip() for line in shown.strip().splitlines()], (
+        f"{doc}: the output shown for `{command}` is stale; it prints now:\n" + "\n".join(printed))
