@@ -706,9 +706,9 @@ void add_restore_oom_context(c10::OutOfMemoryError& e, int64_t bytes, int64_t dr
   } else {
     msg << " (no prefetched tensors held; prefetch_depth=" << prefetch_depth << ")";
   }
-  msg << ". The step's backward needs more device memory than is free with one layer restored at a time: shorten "
-         "the sequence or micro-batch, use a tiled MLP or a chunked loss, keep fewer tensors on the device "
-         "(keep_last_layers=0), or compare with `hsoffload plan <config> --seq-len N`.";
+  msg << ". The step's backward needs more device memory than is free while the offloaded tensors come back as it "
+         "reaches them: shorten the sequence or micro-batch, use a tiled MLP or a chunked loss, lower keep_last_layers "
+         "(layers kept on the device) or prefetch_depth, or compare with `hsoffload plan <config> --seq-len N`.";
   e.add_context(msg.str());
 }
 

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--tiled-mlp", type=int, default=1, metavar="N", help="MLP computed in N sequence chunks, saving only its input (default 1: untiled)")
     pl.add_argument("--chunked-loss", action="store_true", help="a fused/chunked linear cross-entropy: the logits are never materialised")
     pl.add_argument("--fused-kernels", default="none", help="none (default: transformers' eager modules) or liger (Liger's RMSNorm, SwiGLU and fused linear cross-entropy, as TRL's use_liger_kernel or Axolotl's liger_* keys: they save less; implies --chunked-loss)")
-    pl.add_argument("--experts-implementation", default=None, help="MoE models: grouped_mm (transformers 5.x's default: one grouped GEMM per projection) or eager (the loop over the experts, transformers 4.x); default: what the installed transformers picks")
+    pl.add_argument("--experts-implementation", default=None, help="MoE models: grouped_mm (transformers 5.x's default: one grouped GEMM per projection) or eager (the loop over the experts, transformers 4.x); default: what the installed transformers runs for the model class")
     pl.add_argument("--cpu-offload", default="none", help="none (default), optimizer (optimizer states, float32 master weights and gradients in pinned host memory, the step on the CPU: ZeRO-Offload) or params (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3 offload_param; the device holds the gathered layers)")
     pl.add_argument("--attn", default="sdpa", help="sdpa (default) or flash: linear in the sequence; math (SDPA's fallback without fused kernels) or eager: quadratic")
     pl.add_argument("--no-checkpointing", action="store_true", help="no gradient checkpointing (hsoffload then offloads with policy all)")

@@ -16,11 +16,12 @@ Two questions, per rank:
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
+import importlib.util
 import json
 import logging
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -129,15 +130,32 @@ def default_device_bytes() -> int:
     return 80 * (1 << 30)
 
 
-def default_experts_implementation() -> str:
-    """What transformers picks for an MoE model's experts when nobody asks: "grouped_mm" from 5.0 (and when
-    transformers is not installed: the current default), "eager" (the expert loop) before."""
+def _transformers_dir() -> Optional[Path]:
+    """The transformers package the planner's process would import, found without importing it (seconds)."""
     try:
-        version = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
+
+
+def default_experts_implementation(text_model_type: str) -> str:
+    """What transformers runs for an MoE model's experts when nobody asks, decided as transformers decides it:
+    "grouped_mm" from 5.0 for model classes whose modeling file uses `@use_experts_implementation` (transformers'
+    own test), else "eager" (the expert loop; all of transformers 4.x). Without transformers: "grouped_mm"."""
+    package = _transformers_dir()
+    if package is None:
         return "grouped_mm"
-    major = version.split(".", 1)[0]
-    return "eager" if major.isdigit() and int(major) < 5 else "grouped_mm"
+    init = (package / "__init__.py").read_text(errors="replace") if (package / "__init__.py").is_file() else ""
+    version = re.search(r'^__version__\s*=\s*["\']([^"\']+)', init, re.M)
+    major = version.group(1).split(".", 1)[0] if version else ""
+    if major.isdigit() and int(major) < 5:
+        return "eager"
+    folder = text_model_type.removesuffix("_text")
+    modeling = package / "models" / folder / f"modeling_{folder}.py"
+    if modeling.is_file() and "@use_experts_implementation" not in modeling.read_text(errors="replace"):
+        return "eager"
+    return "grouped_mm"
 
 
 def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
@@ -156,7 +174,9 @@ def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
         prefetch_depth=inp.prefetch_depth, optimizer=inp.optimizer, selective_checkpointing=policy == "sac",
         cpu_offload=inp.cpu_offload, fused_kernels=inp.fused_kernels,
         sequence_parallel_kind=inp.sequence_parallel_kind,
-        experts_implementation=inp.experts_implementation or default_experts_implementation(),
+        experts_implementation=(inp.experts_implementation
+                                or (default_experts_implementation(shape.text_model_type) if shape.moe_layers
+                                    else "grouped_mm")),
     )
     if setup.fused_kernels == "liger":  # Liger's fused linear cross-entropy is a chunked loss of Liger's size
         setup = dataclasses.replace(setup, chunked_loss=True)

@@ -109,6 +109,9 @@ class ModelShape:
     expert_intermediate: int = 0
     shared_expert_intermediate: int = 0
     moe_layers: int = 0
+    text_model_type: str = ""  # the decoder's own model_type (the text part's for multimodal configs)
+    routing_weights_float32: bool = True  # the router hands the experts float32 weights (see ROUTING_IN_MODEL_DTYPE)
+    router_input_float32: bool = False  # the router saves a float32 copy of its input (ROUTER_INPUT_FLOAT32)
 
     @property
     def dense_layers(self) -> int:
@@ -150,6 +153,18 @@ def _int(cfg: dict[str, Any], *names: str, default: Optional[int] = None) -> Opt
     return default
 
 
+# MoE routers whose top-k weights come back in the model's dtype (transformers 5.x: they cast them back, or type_as
+# the hidden states). Every other MoE family hands the experts float32 weights (Mixtral, MiniMax, GLM-4-MoE, ...):
+# the weighted routed outputs, their copy in token order and the gradients through them are then float32. Unknown
+# families count as float32 (more memory, never less).
+ROUTING_IN_MODEL_DTYPE = frozenset({
+    "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_5_moe", "qwen3_omni_moe", "olmoe", "flex_olmo",
+    "ernie4_5_moe", "granitemoe", "gpt_oss",
+})
+# Routers that run on a float32 copy of their input (and save it, with float32 scores): F.linear(hidden.float(), ...).
+ROUTER_INPUT_FLOAT32 = frozenset({"glm4_moe", "glm4_moe_lite", "dots1", "ernie4_5_moe", "hunyuan_v1_moe"})
+
+
 def shape_from_config(data: dict[str, Any], source: str = "config") -> ModelShape:
     """The ModelShape of a transformers config.json's dict; multimodal configs are read through `text_config`.
     Raises PlanError (one line) for what cannot be a decoder-only causal LM or is not modelled."""
@@ -162,6 +177,9 @@ def shape_from_config(data: dict[str, Any], source: str = "config") -> ModelShap
             cfg = dict(data[key])
             break
     kind = f"model_type {model_type!r}" + (f" (text part {cfg.get('model_type')!r})" if cfg is not data else "")
+    if str(cfg.get("model_type", model_type)).startswith("llama4") and (cfg.get("num_local_experts") or 0) > 0:
+        raise PlanError(f"hsoffload plan: {source}: {kind}: Llama 4's experts run every routed token through a "
+                        "batched matmul over all experts, which the planner does not model")
     if cfg.get("kv_lora_rank") or cfg.get("q_lora_rank"):
         raise PlanError(f"hsoffload plan: {source}: {kind} uses multi-head latent attention (kv_lora_rank), which the "
                         "planner does not model")
@@ -216,7 +234,9 @@ def shape_from_config(data: dict[str, Any], source: str = "config") -> ModelShap
         qk_norm_params=qk_norm_params, norms_per_layer=norms,
         attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe"))),
         experts=experts, experts_per_token=per_token, expert_intermediate=expert_inter,
-        shared_expert_intermediate=shared_inter, moe_layers=moe_layers,
+        shared_expert_intermediate=shared_inter, moe_layers=moe_layers, text_model_type=text_type,
+        routing_weights_float32=text_type.removesuffix("_text") not in ROUTING_IN_MODEL_DTYPE,
+        router_input_float32=text_type.removesuffix("_text") in ROUTER_INPUT_FLOAT32,
     )
 
 
@@ -577,6 +597,12 @@ def sequence_parallel_buffer_bytes(shape: ModelShape, s: Setup) -> int:
     return ulysses_buffer_bytes(shape, s) + ring_buffer_bytes(shape, s)
 
 
+def routing_weight_bytes(shape: ModelShape, s: Setup) -> int:
+    """Bytes per element of the routing weights and of the routed outputs weighted by them (float32 when the
+    router hands over float32 weights: the product promotes)."""
+    return F32 if shape.routing_weights_float32 else s.dtype_bytes
+
+
 def mlp_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """What the MLP saves for backward. Dense gated MLP: gate, act(gate), up, their product (4 x intermediate per
     token; Liger's SwiGLU saves gate and up only, recomputing act in backward, and down_proj the product: 3). MoE (transformers' expert loop): per routed token the gathered input, gate_up, act, product, the
@@ -591,15 +617,18 @@ def mlp_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
         return (3 if s.liger else 4) * t * shape.intermediate * b
     shared = 4 * t * shape.shared_expert_intermediate * b
     routed_tokens = t * shape.experts_per_token
+    router_input = t * (shape.hidden + shape.experts) * F32 if shape.router_input_float32 else 0
     if s.experts_implementation == "grouped_mm":
         # Per routed token: the gathered input and the down projection's output (hidden each), gate_up, act and
         # their product (4 x intermediate); the routing weight and three int64 indices (the gather's, the weights'
-        # and the inverse permutation's); the router's float32 probabilities and top-k values and indices.
-        routed = routed_tokens * ((2 * shape.hidden + 4 * shape.expert_intermediate) * b + b + 3 * 8)
-        router = t * shape.experts * F32 + routed_tokens * (F32 + 8)
+        # and the inverse permutation's); the router's float32 probabilities and top-k values and indices (and a
+        # float32 copy of its input with float32 scores, for routers that upcast).
+        w = routing_weight_bytes(shape, s)
+        routed = routed_tokens * ((2 * shape.hidden + 4 * shape.expert_intermediate) * b + w + 3 * 8)
+        router = t * shape.experts * F32 + routed_tokens * (F32 + 8) + router_input
         return routed + router + shared
     routed = routed_tokens * (3 * shape.hidden + 4 * shape.expert_intermediate) * b
-    router = t * shape.experts * (b + F32)
+    router = t * shape.experts * (b + F32) + router_input
     return routed + router + shared
 
 
@@ -612,9 +641,10 @@ def moe_routing_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
         return 0
     t, k = s.tokens, shape.experts_per_token
     if s.experts_implementation == "grouped_mm":
-        # The weighted outputs and their copy back in token order (routed tokens x hidden each) before the top-k sum;
-        # the sort's int64 keys and permutation, histc's float32 input, the inverse permutation's arange.
-        return 2 * t * k * shape.hidden * s.dtype_bytes + t * k * (3 * 8 + F32)
+        # The weighted outputs and their copy back in token order (routed tokens x hidden each, float32 with float32
+        # routing weights) before the top-k sum; the sort's int64 keys and permutation, histc's float32 input, the
+        # inverse permutation's arange.
+        return 2 * t * k * shape.hidden * routing_weight_bytes(shape, s) + t * k * (3 * 8 + F32)
     return t * k * (shape.experts + 1) * 8 + t * k * (8 + s.dtype_bytes) + hidden_bytes(shape, s)
 
 
@@ -622,16 +652,21 @@ def mlp_forward_live_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """The MLP's tensors alive at once in a forward without grad (checkpointing's first forward). Dense: three
     intermediates (eager: act, up and their product, gate freed; Liger's SwiGLU: gate, up and the product), one
     chunk's when tiled. MoE, expert loop: three quarters of what it would save, and its routing bookkeeping;
-    grouped_mm: the gathered input, the down projection's output and the routing bookkeeping."""
+    grouped_mm: the gathered input with gate_up, act and product, or with the down projection's output and the
+    routing bookkeeping, whichever is more."""
     t, b = s.tokens, s.dtype_bytes
     if not moe:
         return 3 * t * shape.intermediate * b // max(1, s.tiled_mlp)
     if s.experts_implementation == "grouped_mm":
-        # The gathered input (a local of the experts' forward until it returns) and the down projection's output
-        # with the routing bookkeeping, per chunk when tiled.
+        # The gathered input is a local of the experts' forward until it returns; with it either gate_up, act and
+        # their product, or (at the end) the down projection's output and the routing bookkeeping. Per chunk when
+        # tiled.
         untiled = dataclasses.replace(s, tiled_mlp=1)
-        live = 2 * t * shape.experts_per_token * shape.hidden * b + moe_routing_bytes(shape, untiled, moe)
-        return live // max(1, s.tiled_mlp) + 4 * t * shape.shared_expert_intermediate * b // max(1, s.tiled_mlp)
+        routed = t * shape.experts_per_token
+        gate = routed * (shape.hidden + 4 * shape.expert_intermediate) * b
+        end = 2 * routed * shape.hidden * b + moe_routing_bytes(shape, untiled, moe)
+        live = max(gate, end) + 4 * t * shape.shared_expert_intermediate * b
+        return live // max(1, s.tiled_mlp)
     saved = mlp_chunk_bytes(shape, s, moe) if s.tiled_mlp > 1 else mlp_saved_bytes(shape, s, moe)
     return saved * 3 // 4 + moe_routing_bytes(shape, s, moe)
 
@@ -663,15 +698,22 @@ def mlp_backward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
 
 
 def grouped_mm_backward_transient_bytes(shape: ModelShape, s: Setup) -> int:
-    """grouped_mm's backward beyond what the block saves. The down projection's end comes first: the output's
-    gradient put back in expert order, the gradient through the routing weights and their product with the saved
-    output (three routed x hidden), before any of the layer's expert weight gradients exist; the phase counts those
-    gradients already, so only what exceeds them is added. Further on, the gradients in flight (gate_up's, the
-    gathered input's) are no larger than the saved tensors freed before them. Per chunk when tiled."""
+    """grouped_mm's backward beyond what the block saves, in two stages; the phase already counts the layer's expert
+    weight gradients (3 x experts x hidden x intermediate), which the stages may not have yet. First the down
+    projection's end: the output's gradient put back in expert order, the gradient through the routing weights and
+    their product with the saved output (three routed x hidden, float32 with float32 routing weights), before any
+    expert gradient exists. Then the gated product's backward: the gradients of the product, act and up (three
+    routed x intermediate) against the product and the down projection's output freed, with down_proj's gradient
+    made (one third of the expert gradients). Further on (gate_up's backward) what is in flight is no larger than
+    what was freed. Per chunk when tiled. Assumes the expert gradients do not exist before the layer's backward
+    (one micro-batch per step, gradients set to None: the step's general assumption)."""
     routed = s.tokens * shape.experts_per_token // max(1, s.tiled_mlp)
-    down_end = 3 * routed * shape.hidden * s.dtype_bytes + mlp_chunk_bytes(shape, s, True)
-    expert_gradients = 3 * shape.experts * shape.hidden * shape.expert_intermediate * s.dtype_bytes // s.shards
-    return max(0, down_end - expert_gradients)
+    b = s.dtype_bytes
+    expert_gradients = 3 * shape.experts * shape.hidden * shape.expert_intermediate * b // s.shards
+    down_end = 3 * routed * shape.hidden * routing_weight_bytes(shape, s) + mlp_chunk_bytes(shape, s, True)
+    gated = (routed * (2 * shape.expert_intermediate - shape.hidden) * b + mlp_chunk_bytes(shape, s, True)
+             + expert_gradients // 3)
+    return max(0, max(down_end, gated) - expert_gradients)
 
 
 def layer_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:

@@ -31,8 +31,8 @@ parameter's partition group; the tensors it flags are recorded in an `InitSkipRe
 
 **Every rank must patch** (as every rank enters `zero.Init`): the collectives change on all of them. A rank that
 did not patch would broadcast where the others scatter. Call `hsoffload.zero3_loading.patch()` in the script every
-rank runs, before `from_config` / `from_pretrained`. The Axolotl plugin calls it for a ZeRO-3 `deepspeed:` config
-(every rank runs the plugin); the Trainer integration cannot (the model exists before the Trainer).
+rank runs, before `from_config` / `from_pretrained`. The Axolotl plugin calls it with `hsoffload_zero3_loading: true`
+and a ZeRO-3 `deepspeed:` config (every rank runs the plugin); the Trainer integration cannot (the model exists before the Trainer).
 
 Stock collectives are kept (on every rank, decided from facts all ranks share) for: hpZ (`zero_hpz_partition_size`
 > 1: secondary partitions read other slices), quantized weights or quantized initialisation, NVMe parameter offload,

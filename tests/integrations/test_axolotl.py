@@ -353,12 +353,15 @@ def test_plugin_installs_fsdp_loading_patch_for_ram_efficient_loading() -> None:
     assert not fsdp.is_patched()
 
 
-def test_plugin_installs_zero3_loading_patch_for_a_zero3_deepspeed_config(tmp_path: Path,
-                                                                          caplog: pytest.LogCaptureFixture) -> None:
-    """A ZeRO-3 `deepspeed` config (a path, as Axolotl's configs give it, or a dict) installs
-    hsoffload.zero3_loading before the model loads, unless hsoffload_zero3_loading: false; ZeRO-2 does not, and
-    asking for it there warns. What the patch does on 2 ranks: tests/integrations/test_zero3_loading.py."""
+def test_plugin_installs_zero3_loading_patch_when_asked_with_a_zero3_deepspeed_config(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`hsoffload_zero3_loading: true` with a ZeRO-3 `deepspeed` config (a path, as Axolotl's configs give it, a dict
+    as Axolotl holds it after loading, or base64 JSON as transformers accepts) installs hsoffload.zero3_loading before
+    the model loads. Not asked, or with ZeRO-2, it does not; asked where it cannot apply, it warns once naming the
+    value. What the patch does on 2 ranks: tests/integrations/test_zero3_loading.py."""
     pytest.importorskip("deepspeed")
+    import base64
+
     from hsoffload import _logging, zero3_loading
     from hsoffload.axolotl_plugin import deepspeed_zero_stage
 
@@ -366,27 +369,28 @@ def test_plugin_installs_zero3_loading_patch_for_a_zero3_deepspeed_config(tmp_pa
     zero3.write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}')
     zero2 = tmp_path / "zero2.json"
     zero2.write_text('{"zero_optimization": {"stage": 2}}')
+    encoded = base64.urlsafe_b64encode(zero3.read_bytes()).decode()
     assert not zero3_loading.is_patched()
     assert deepspeed_zero_stage(Cfg()) is None and deepspeed_zero_stage(Cfg(deepspeed=str(zero2))) == 2
+    assert deepspeed_zero_stage(Cfg(deepspeed=encoded)) == 3
+    assert deepspeed_zero_stage(Cfg(deepspeed=str(tmp_path / "missing.json"))) is None
     try:
-        for cfg in (Cfg(deepspeed=str(zero2)), Cfg(deepspeed=str(zero3), hsoffload_zero3_loading=False)):
+        for cfg in (Cfg(deepspeed=str(zero3)), Cfg(deepspeed=str(zero3), hsoffload_zero3_loading=False),
+                    Cfg(deepspeed=str(zero2), hsoffload_zero3_loading=True)):
             HsOffloadPlugin().pre_model_load(cfg)
             assert not zero3_loading.is_patched(), cfg
-        HsOffloadPlugin().pre_model_load(Cfg(deepspeed=str(zero3)))
-        assert zero3_loading.is_patched()
-        zero3_loading.unpatch()
-        HsOffloadPlugin().pre_model_load(Cfg(deepspeed={"zero_optimization": {"stage": 3}}))
-        assert zero3_loading.is_patched()
+        for ds in (str(zero3), {"zero_optimization": {"stage": 3}}, encoded):
+            HsOffloadPlugin().pre_model_load(Cfg(deepspeed=ds, hsoffload_zero3_loading=True))
+            assert zero3_loading.is_patched(), ds
+            zero3_loading.unpatch()
     finally:
         zero3_loading.unpatch()
     assert not zero3_loading.is_patched()
     _logging.forget_logged()
     with caplog.at_level(logging.WARNING, logger="hsoffload"):
-        HsOffloadPlugin().pre_model_load(Cfg(deepspeed=str(zero2), hsoffload_zero3_loading=True))
-    assert "hsoffload_zero3_loading: true does nothing without a ZeRO-3 deepspeed config" in caplog.text
+        HsOffloadPlugin().pre_model_load(Cfg(deepspeed=str(tmp_path / "missing.json"), hsoffload_zero3_loading=True))
+    assert "hsoffload_zero3_loading: true does nothing here" in caplog.text and "missing.json" in caplog.text
     assert not zero3_loading.is_patched()
-    with pytest.raises(ValueError, match="missing.json: not a readable DeepSpeed JSON config"):
-        HsOffloadPlugin().pre_model_load(Cfg(deepspeed=str(tmp_path / "missing.json")))
     with pytest.raises(ValueError, match="hsoffload_zero3_loading"):
         HsOffloadPlugin().register(Cfg(hsoffload_zero3_loading="yes"))
 

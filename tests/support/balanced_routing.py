@@ -29,7 +29,12 @@ from torch.utils._pytree import tree_leaves
 
 class BalancedRouting(TorchDispatchMode):
     """Answers the expert loop's `nonzero` calls for `experts` routed experts (see the module's docstring).
-    `token_lists` counts the per-expert token lists it made (one per expert per forward, recompute included)."""
+    `token_lists` counts the per-expert token lists it made (one per expert per forward, recompute included).
+
+    Only masks derived from a top-k's indices (the router's choice, made into the loop's one-hot expert mask and
+    then permuted, summed, compared and indexed: every op output with such an input is tagged `_routing_mask`) are
+    answered; any other `nonzero` goes on to FakeTensorMode, which refuses it as data-dependent, so nothing else is
+    silently given a routing answer."""
 
     def __init__(self, experts: int) -> None:
         super().__init__()
@@ -46,11 +51,10 @@ class BalancedRouting(TorchDispatchMode):
                 and not any(isinstance(t, FakeTensor) for t in tensors)):
             with unset_fake_temporarily():  # the experts-hit list and what is indexed out of it: real values
                 out = func(*args, **kwargs)
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    t._routing_index = True  # type: ignore[attr-defined]
+            _tag(out, "_routing_index")
             return out
-        if func is torch.ops.aten.nonzero.default:
+        from_mask = any(getattr(t, "_routing_mask", False) for t in tensors)
+        if func is torch.ops.aten.nonzero.default and from_mask:
             mask = args[0]
             # which experts were hit: per-expert counts, with transformers 5's extra slot for dropped tokens or not
             if mask.dim() == 1 and mask.shape[0] in (self.experts, self.experts + 1):
@@ -59,5 +63,17 @@ class BalancedRouting(TorchDispatchMode):
                 slots, tokens = mask.shape
                 self.token_lists += 1
                 return torch.empty((slots * tokens // self.experts, 2), dtype=torch.long)
-            raise AssertionError(f"BalancedRouting: a nonzero it does not know, on shape {tuple(mask.shape)}")
-        return func(*args, **kwargs)
+            raise AssertionError(f"BalancedRouting: a nonzero of the routing mask it does not know, on shape "
+                                 f"{tuple(mask.shape)}")
+        out = func(*args, **kwargs)
+        if from_mask:
+            _tag(out, "_routing_mask")
+        elif func is torch.ops.aten.topk.default:  # the router's choice: its indices become the one-hot mask
+            _tag(out[1], "_routing_mask")
+        return out
+
+
+def _tag(out: Any, name: str) -> None:
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            setattr(t, name, True)

@@ -405,6 +405,27 @@ def test_ulysses_refuses_a_degree_the_heads_do_not_allow(tmp_path: Path, capsys:
     assert "sequence parallel 4" in r["rows"][3]["knobs"]
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "jetmoe", "granitemoe"])
+def test_default_experts_implementation_is_what_transformers_picks(model_type: str) -> None:
+    """The planner decides without importing transformers; transformers decides per model class (grouped_mm where the
+    modeling file uses its experts interface, the loop elsewhere): both must agree."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    ok = int(transformers.__version__.split(".")[0]) >= 5 and cls._can_set_experts_implementation()
+    assert plan.default_experts_implementation(model_type) == ("grouped_mm" if ok else "eager")
+
+
+def test_llama4_experts_are_refused_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = {"model_type": "llama4_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "num_local_experts": 4,
+           "num_experts_per_tok": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", str(tmp_path), "--seq-len", "1024"]) == 2
+    assert "Llama 4's experts run every routed token through a batched matmul" in capsys.readouterr().err
+
+
 def test_moe_routing_buffers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """transformers' expert loop keeps an int64 one-hot expert mask (tokens x top-k x experts + 1), the top-k
     indices and weights and an output accumulator alive while its experts run; grouped_mm the routed outputs twice
@@ -421,8 +442,9 @@ def test_moe_routing_buffers(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert grouped["term_moe_routing_bytes"] == 2 * t * 4 * 64 * 2 + t * 4 * (3 * 8 + 4)
     import transformers
 
-    default = "eager" if int(transformers.__version__.split(".")[0]) < 5 else "grouped_mm"
-    assert _plan_json(capsys, str(tmp_path), "--seq-len", str(t))["experts_implementation"] == default
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    assert _plan_json(capsys, str(tmp_path), "--seq-len", str(t))["experts_implementation"] == \
+        model.config._experts_implementation  # what transformers itself picked for this model
     assert main(["plan", str(tmp_path), "--seq-len", str(t), "--experts-implementation", "grouped_mm"]) == 0
     assert "experts grouped_mm" in capsys.readouterr().out
     assert main(["plan", str(tmp_path), "--seq-len", str(t), "--experts-implementation", "loop"]) == 2
@@ -465,6 +487,11 @@ def _real_width_config(name: str, vocab: Optional[int]) -> "transformers.Pretrai
                                        num_attention_heads=64, num_key_value_heads=8, head_dim=128,
                                        vocab_size=vocab or 151936, tie_word_embeddings=False,
                                        max_position_embeddings=65536)
+    elif name == "mixtral-8x7b":  # 8 experts, 2 per token, expert intermediate 3.5 x hidden, float32 routing weights
+        cfg = transformers.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                         num_local_experts=8, num_experts_per_tok=2, vocab_size=vocab or 32000,
+                                         tie_word_embeddings=False, max_position_embeddings=65536)
     else:  # "moe-30b-a3b": Qwen3-30B-A3B's widths, 128 experts, 8 per token
         cfg = transformers.Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, num_hidden_layers=2,
                                           num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -475,18 +502,22 @@ def _real_width_config(name: str, vocab: Optional[int]) -> "transformers.Pretrai
     return cfg
 
 
-def _fake_step_peak(cfg: "transformers.PretrainedConfig", seq: int, checkpointing: bool) -> int:
-    """Peak live bytes of the second of two training steps (forward, backward, AdamW step, zero_grad), bf16."""
+def _fake_step_peak(cfg: "transformers.PretrainedConfig", seq: int, checkpointing: bool,
+                    ran: Optional[dict[str, object]] = None) -> int:
+    """Peak live bytes of the second of two training steps (forward, backward, AdamW step, zero_grad), bf16. `ran`,
+    when given, receives the experts implementation the model ran and how many per-expert token lists the balanced
+    router answered (the expert loop's)."""
     import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from support.balanced_routing import BalancedRouting
 
-    experts = getattr(cfg, "num_experts", 0)
+    experts = getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0)
     # transformers' expert loop asks the routing data-dependent questions: answered as a balanced router would
-    routing = (BalancedRouting(experts) if experts and getattr(cfg, "_experts_implementation", None) == "eager"
-               else contextlib.nullcontext())
+    balanced = BalancedRouting(experts) if experts else None
+    use_balanced = balanced is not None and getattr(cfg, "_experts_implementation", None) == "eager"
+    routing = balanced if use_balanced else contextlib.nullcontext()
     with FakeTensorMode():
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
@@ -508,6 +539,9 @@ def _fake_step_peak(cfg: "transformers.PretrainedConfig", seq: int, checkpointin
                 model(input_ids=ids, labels=ids).loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+        if ran is not None:
+            ran["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
+            ran["token_lists"] = balanced.token_lists if use_balanced and balanced is not None else 0
         return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
@@ -529,34 +563,57 @@ def test_real_width_peak_matches_fake_tensor_tracking(name: str, vocab: Optional
     assert abs(predicted - measured) <= 0.10 * measured, (measured / GIB, predicted / GIB, p["peak_phase"])
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch's MemTracker needs torch.distributed")
-@pytest.mark.parametrize("experts, vocab, seq, checkpointing", [
-    ("grouped_mm", None, 4096, True), ("grouped_mm", None, 4096, False),
-    ("grouped_mm", None, 16384, True), ("grouped_mm", None, 16384, False),
-    ("grouped_mm", 2048, 16384, True), ("grouped_mm", 2048, 16384, False),
-    ("grouped_mm", 2048, 65536, True), ("grouped_mm", 2048, 65536, False),
-    ("eager", None, 4096, True), ("eager", 2048, 16384, True), ("eager", 2048, 16384, False),
-])
-def test_real_width_moe_peak_matches_fake_tensor_tracking(experts: str, vocab: Optional[int], seq: int,
-                                                          checkpointing: bool, tmp_path: Path) -> None:
-    """Qwen3-30B-A3B's widths (2 MoE layers of 128 experts, 8 per token, bf16), both ways transformers runs the
-    experts: grouped_mm (5.x's default) and the expert loop, the loop's routing answered as a balanced router would
-    (support/balanced_routing.py). The plan within 10 % of the tracked peak (measured 2026-12-05: -2.2 % .. +5.6 %,
-    docs/benchmarks.md)."""
-    import transformers
+def test_balanced_routing_answers_only_the_routing() -> None:
+    """A nonzero of a routing-shaped mask that does not come from a top-k's indices is not answered (FakeTensorMode
+    refuses it as data-dependent); one that does is."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 
-    if experts == "grouped_mm" and not hasattr(torch.nn.functional, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
-        pytest.skip("this torch has no grouped_mm: transformers falls back to its own op")
-    cfg = _real_width_config("moe-30b-a3b", vocab)
+    from support.balanced_routing import BalancedRouting
+
+    with FakeTensorMode(), BalancedRouting(8) as routing:
+        with pytest.raises(DynamicOutputShapeException):
+            torch.nonzero(torch.rand(9) > 0.5)
+        _, chosen = torch.topk(torch.rand(64, 8), 2)
+        mask = torch.nn.functional.one_hot(chosen, num_classes=9).permute(2, 1, 0)
+        assert tuple(torch.nonzero(mask.sum(dim=(-1, -2)) > 0).shape) == (8, 1)
+        assert tuple(torch.nonzero(mask[3]).shape) == (64 * 2 // 8, 2) and routing.token_lists == 1
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch's MemTracker needs torch.distributed")
+@pytest.mark.parametrize("name, experts, vocab, seq, checkpointing", [
+    ("moe-30b-a3b", "grouped_mm", None, 4096, True), ("moe-30b-a3b", "grouped_mm", None, 4096, False),
+    ("moe-30b-a3b", "grouped_mm", None, 16384, True), ("moe-30b-a3b", "grouped_mm", None, 16384, False),
+    ("moe-30b-a3b", "grouped_mm", 2048, 16384, True), ("moe-30b-a3b", "grouped_mm", 2048, 16384, False),
+    ("moe-30b-a3b", "grouped_mm", 2048, 65536, True), ("moe-30b-a3b", "grouped_mm", 2048, 65536, False),
+    ("moe-30b-a3b", "eager", None, 4096, True), ("moe-30b-a3b", "eager", 2048, 16384, True),
+    ("moe-30b-a3b", "eager", 2048, 16384, False),
+    ("mixtral-8x7b", "grouped_mm", 2048, 16384, True), ("mixtral-8x7b", "grouped_mm", 2048, 65536, True),
+    ("mixtral-8x7b", "grouped_mm", 2048, 65536, False), ("mixtral-8x7b", "grouped_mm", 2048, 262144, True),
+    ("mixtral-8x7b", "grouped_mm", 2048, 262144, False), ("mixtral-8x7b", "eager", 2048, 65536, True),
+])
+def test_real_width_moe_peak_matches_fake_tensor_tracking(name: str, experts: str, vocab: Optional[int], seq: int,
+                                                          checkpointing: bool, tmp_path: Path) -> None:
+    """MoE at real widths (2 MoE layers, bf16): Qwen3-30B-A3B (128 experts, 8 per token, expert intermediate 0.375 x
+    hidden, bf16 routing weights) and Mixtral-8x7B (8 experts, 2 per token, 3.5 x hidden, float32 routing weights),
+    both ways transformers runs the experts: grouped_mm (5.x's default) and the expert loop, the loop's routing
+    answered as a balanced router would (support/balanced_routing.py). The plan within 10 % above and 3 % below
+    the tracked peak: planning low is what runs out of memory (measured 2026-12-05: -2.2 % .. +5.6 %,
+    docs/benchmarks.md; before the gated-product stage and float32 routing weights were counted, Mixtral at 262,144
+    tokens was -8.2 % and -4.7 %)."""
+    cfg = _real_width_config(name, vocab)
     cfg._experts_implementation = experts
-    measured = _fake_step_peak(cfg, seq, checkpointing)
+    ran: dict[str, object] = {}
+    measured = _fake_step_peak(cfg, seq, checkpointing, ran)
+    # what was asked is what ran: transformers kept the implementation, and only the loop asked for routing
+    assert ran["experts_implementation"] == experts, ran
+    assert (ran["token_lists"] > 0) == (experts == "eager"), ran  # type: ignore[operator]
     cfg.save_pretrained(tmp_path)
     p = plan.plan(plan.PlanInput(config=str(tmp_path), seq_len=seq, attn="flash", optimizer="adamw_param_dtype",
                                  checkpointing=checkpointing, experts_implementation=experts,
                                  host_ram_bytes=1 << 40, device_bytes=1 << 40))
-    assert p["experts_implementation"] == experts and transformers.__version__
     predicted = p["device_peak_bytes_checkpointing" if checkpointing else "device_peak_bytes_no_checkpointing"]
-    assert abs(predicted - measured) <= 0.10 * measured, (measured / GIB, predicted / GIB, p["peak_phase"])
+    assert -0.03 * measured <= predicted - measured <= 0.10 * measured, (measured / GIB, predicted / GIB,
+                                                                        p["peak_phase"])
 
 
 def test_max_seq_host_column(capsys: pytest.CaptureFixture[str]) -> None:

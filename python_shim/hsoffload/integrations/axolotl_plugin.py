@@ -24,12 +24,13 @@ In the Axolotl YAML::
     hsoffload_keep_last_layers: 0         # the last k decoder layers keep their tensors on the GPU
     hsoffload_offload_fraction: 1.0       # share of the other decoder layers (the first ones) that offload
     hsoffload_offload_output_head: false  # policy all: also the output head's saved tensors
-    hsoffload_zero3_loading: true         # DeepSpeed ZeRO-3 (`deepspeed:` a stage-3 config): ranks other than rank 0
-                                          # receive only their partition while the model loads (hsoffload.zero3_loading)
+    hsoffload_zero3_loading: false        # true, with a ZeRO-3 `deepspeed:` config: ranks other than rank 0 receive
+                                          # only their partition while the model loads (hsoffload.zero3_loading)
 
 RAM-efficient loading does not need `activation_offloading`: FSDP's `cpu_ram_efficient_loading` installs
-`hsoffload.fsdp.patch()`, a ZeRO-3 `deepspeed` config `hsoffload.zero3_loading.patch()` (on every rank, as the
-plugin runs on every rank), both before the model is loaded.
+`hsoffload.fsdp.patch()`, and `hsoffload_zero3_loading: true` with a ZeRO-3 `deepspeed` config installs
+`hsoffload.zero3_loading.patch()` (on every rank, as the plugin runs on every rank), both before the model is
+loaded. The ZeRO-3 one is opt-in: it changes the loading collectives, and its NCCL path has not run on GPUs yet.
 
 What it does once Axolotl has built its trainer (`post_trainer_create`): it turns Axolotl's own
 offload context for that mode into a no-op, puts torch's reentrant `CheckpointFunction` back if
@@ -42,6 +43,7 @@ Imports without Axolotl installed (a stand-in base class), so the wiring can be 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib
 import json
@@ -189,25 +191,38 @@ def wants_ram_efficient_loading(cfg: Any) -> bool:
     return bool(getter("cpu_ram_efficient_loading") or getter("fsdp_cpu_ram_efficient_loading"))
 
 
+def _read_deepspeed_config(value: Any) -> Optional[dict]:
+    """Axolotl's `deepspeed` value as a dict: a dict (Axolotl loads the file itself), a JSON file's path, or a
+    base64-encoded JSON string (as transformers' HfDeepSpeedConfig accepts); None when it is none of these."""
+    if isinstance(value, dict) or (hasattr(value, "get") and hasattr(value, "keys")):
+        return dict(value)
+    if not isinstance(value, (str, os.PathLike)):
+        return None
+    try:
+        path = Path(value)
+        if path.is_file():
+            data = json.loads(path.read_text())
+        else:
+            data = json.loads(base64.urlsafe_b64decode(str(value)).decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def deepspeed_zero_stage(cfg: Any) -> Optional[int]:
-    """The ZeRO stage of Axolotl's `deepspeed` key (a JSON file's path or a dict), None without one. A file that
-    cannot be read raises ValueError naming it (Axolotl would fail on it a moment later)."""
+    """The ZeRO stage of Axolotl's `deepspeed` key, None without one or when it cannot be read."""
     ds = _cfg_get(cfg, "deepspeed")
     if not ds:
         return None
-    if isinstance(ds, (str, os.PathLike)):
-        try:
-            ds = json.loads(Path(ds).read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"hsoffload: deepspeed: {ds}: not a readable DeepSpeed JSON config ({exc})") from None
-    zero = ds.get("zero_optimization") if isinstance(ds, dict) else None
+    data = _read_deepspeed_config(ds)
+    zero = data.get("zero_optimization") if data is not None else None
     stage = zero.get("stage") if isinstance(zero, dict) else None
     return int(stage) if isinstance(stage, (int, str)) and str(stage).isdigit() else None
 
 
 def wants_zero3_loading(cfg: Any) -> bool:
-    """True for a ZeRO-3 `deepspeed` config unless `hsoffload_zero3_loading: false`."""
-    return _cfg_get(cfg, "hsoffload_zero3_loading") is not False and deepspeed_zero_stage(cfg) == 3
+    """True for `hsoffload_zero3_loading: true` with a ZeRO-3 `deepspeed` config."""
+    return _cfg_get(cfg, "hsoffload_zero3_loading") is True and deepspeed_zero_stage(cfg) == 3
 
 
 def offload_config(cfg: Any) -> OffloadConfig:
@@ -275,10 +290,11 @@ class HsOffloadPlugin(BasePlugin):
             from .. import zero3_loading
 
             zero3_loading.patch()  # logs what it patched
-        elif _cfg_get(cfg, "hsoffload_zero3_loading") and deepspeed_zero_stage(cfg) != 3:
+        elif _cfg_get(cfg, "hsoffload_zero3_loading") is True:
             log_once("zero3_loading_without_zero3", logging.WARNING,
-                     "hsoffload: hsoffload_zero3_loading: true does nothing without a ZeRO-3 deepspeed config "
-                     "(deepspeed: a JSON with zero_optimization.stage 3)")
+                     "hsoffload: hsoffload_zero3_loading: true does nothing here: deepspeed: %r is not a readable "
+                     "ZeRO-3 config (a JSON file, dict or base64 JSON with zero_optimization.stage 3)",
+                     _cfg_get(cfg, "deepspeed"))
 
     def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
         if not is_enabled(cfg):

@@ -144,7 +144,7 @@ def test_a_restore_without_device_memory_raises_naming_the_op_and_what_to_do(dev
     msg = str(err.value)
     assert ("hsoffload offload_unpack: no device memory to restore an offloaded tensor of 4194304 bytes that "
             "backward needs now (no prefetched tensors held; prefetch_depth=0)") in msg, msg
-    assert "keep_last_layers=0" in msg and "hsoffload plan" in msg, msg
+    assert "lower keep_last_layers" in msg and "hsoffload plan" in msg, msg
     del err  # its traceback holds backward's frames, and through them the graph
     # The device's autograd worker thread drops its share of the failed graph task when it next runs: poll.
     waits.until(lambda: gc.collect() >= 0 and hsoffload.pool_stats().in_use_bytes == in_use, hsoffload.pool_stats)
