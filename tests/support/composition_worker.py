@@ -33,6 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `support.*` as in the test process
 
 from support import composition as C  # noqa: E402
+from support.ds_recording import full_grads, full_params, recording_engine_steps  # noqa: E402  (no DeepSpeed import)
 from support.hf_tiny import VOCAB  # noqa: E402
 
 FSDP_CASES = ["fsdp2_cpu_offload", "fsdp2_stack"]
@@ -247,7 +248,6 @@ def _ulysses(offload: bool, stack: bool) -> dict[str, Any]:
     head (on the pre-shifted labels) as well."""
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     model = C.tiny_model("sdpa")
     if stack:
@@ -288,8 +288,7 @@ def _ulysses(offload: bool, stack: bool) -> dict[str, Any]:
 
     out = _run(
         C.STEPS, forward, engine.backward, engine.step,
-        lambda: {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()},
-        lambda: {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()},
+        lambda: full_grads(engine), lambda: full_params(engine),
         scope, count_tiles=stack,
     )
     out["probe"] = probe.report() if probe else {}
@@ -316,8 +315,6 @@ def _trainer_ulysses(offload: bool, out_dir: str) -> dict[str, Any]:
     import transformers
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     import hsoffload.integrations
 
@@ -350,30 +347,16 @@ def _trainer_ulysses(offload: bool, out_dir: str) -> dict[str, Any]:
             record["losses"].append((loss[0] if isinstance(loss, tuple) else loss).detach().clone())
             return loss
 
-    real_step = DeepSpeedEngine.step
-
-    def recording_step(engine: Any, *a: Any, **k: Any) -> Any:
-        # accelerate runs the engine's step inside its backward: full gradients before it, fp32 parameters after.
-        boundary = engine.is_gradient_accumulation_boundary()
-        if boundary:
-            record["grads"].append({n: safe_get_full_grad(p).detach().clone()
-                                    for n, p in engine.module.named_parameters()})
-        result = real_step(engine, *a, **k)
-        if boundary:
-            record["params"].append({n: safe_get_full_fp32_param(p).detach().clone()
-                                     for n, p in engine.module.named_parameters()})
-        return result
-
-    DeepSpeedEngine.step = recording_step
     try:
-        trainer = Recording(model=model, args=args, train_dataset=rows)
-        probe = None
-        if offload:
-            hsoffload.integrations.enable_hidden_state_offload(trainer, offload_cpu_tensors=True, min_offload_size=0)
-            probe = C.Probe(trainer.hsoffload_scope)
-        trainer.train()
+        with recording_engine_steps(record):  # accelerate runs the engine's step inside its backward
+            trainer = Recording(model=model, args=args, train_dataset=rows)
+            probe = None
+            if offload:
+                hsoffload.integrations.enable_hidden_state_offload(trainer, offload_cpu_tensors=True,
+                                                                   min_offload_size=0)
+                probe = C.Probe(trainer.hsoffload_scope)
+            trainer.train()
     finally:
-        DeepSpeedEngine.step = real_step
         _unregister_ulysses()
     record["probe"] = probe.report() if probe else {}
     if offload:

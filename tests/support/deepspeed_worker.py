@@ -126,24 +126,14 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     return batches(n, seed=1 + dist.get_rank())  # each rank its own data: the reductions matter
 
 
-def _full_grads(engine: Any) -> dict[str, torch.Tensor]:
-    from deepspeed.utils import safe_get_full_grad
-
-    return {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
-
-
-def _full_params(engine: Any) -> dict[str, torch.Tensor]:
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
-
-
 def _stats(scope: Any) -> dict[str, int]:
     return dataclasses.asdict(scope.stats) if scope is not None else {}
 
 
 def _train(case: Case, offload: bool, scope_kwargs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """One run: STEPS optimizer steps of `case.accumulation` micro-batches; what both runs are compared on."""
+    from ds_recording import full_grads, full_params
+
     import hsoffload
 
     ds_config = _ds_config(case.stage, case.accumulation, case.zero_offload)
@@ -163,9 +153,9 @@ def _train(case: Case, offload: bool, scope_kwargs: Optional[dict[str, Any]] = N
                 engine.backward(loss)
                 out["after_backward"].append(_stats(scope))
             out["losses"].append(loss.detach().clone())
-        out["grads"].append(_full_grads(engine))
+        out["grads"].append(full_grads(engine))
         engine.step()
-        out["params"].append(_full_params(engine))
+        out["params"].append(full_params(engine))
     if scope is not None:
         out["passthrough"] = dataclasses.asdict(scope.passthrough_stats)
     out["engine"] = engine
@@ -238,7 +228,7 @@ def _trainer_run(offload: bool, out_dir: str) -> dict[str, Any]:
     DeepSpeed), non-reentrant checkpointing; with `offload`, hsoffload's Trainer integration
     (`enable_hidden_state_offload`), which also leaves ZeRO-Offload's host bytes out of the auto budget."""
     import transformers
-    from deepspeed.runtime.engine import DeepSpeedEngine
+    from ds_recording import recording_engine_steps
     from hf_tiny import tiny_config
 
     import hsoffload.host
@@ -279,26 +269,11 @@ def _trainer_run(offload: bool, out_dir: str) -> dict[str, Any]:
             record["losses"].append((loss[0] if isinstance(loss, tuple) else loss).detach().clone())
             return loss
 
-    step = DeepSpeedEngine.step
-
-    def recording_step(engine: Any, *a: Any, **k: Any) -> Any:
-        # accelerate runs the engine's step inside its backward: full gradients before it, fp32 parameters after.
-        boundary = engine.is_gradient_accumulation_boundary()
-        if boundary:
-            record["grads"].append(_full_grads(engine))
-        result = step(engine, *a, **k)
-        if boundary:
-            record["params"].append(_full_params(engine))
-        return result
-
-    DeepSpeedEngine.step = recording_step
-    try:
+    with recording_engine_steps(record):  # accelerate runs the engine's step inside its backward
         trainer = Recording(model=model, args=args, train_dataset=data)
         if offload:
             hsoffload.integrations.enable_hidden_state_offload(trainer, offload_cpu_tensors=True, min_offload_size=0)
         trainer.train()
-    finally:
-        DeepSpeedEngine.step = step
     record["zero_init"] = zero_init
     record["host_room"] = hsoffload.host.host_room()
     # fp32 run: 16 B per parameter (Adam's moments, fp32 gradient and master), each rank its 1 / world size
