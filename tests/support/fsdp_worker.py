@@ -105,22 +105,14 @@ def _install_counter() -> None:
     _install_counter.restore = lambda: setattr(PreTrainedModel, "_initialize_missing_keys", inner)  # type: ignore[attr-defined]
 
 
-def _rss_mib() -> dict[str, float]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS", "VmHWM")):
-                k, v = line.split(":")
-                out[k] = int(v.split()[0]) / 1024
-    return out
-
-
 def _reset_peak_rss() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
 
 def _load(path: str, patched: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
+    from proc_memory import rss_mib  # a sibling module: torchrun puts this folder first on sys.path
+
     import hsoffload.fsdp as hf
 
     if patched:
@@ -128,11 +120,11 @@ def _load(path: str, patched: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
     _install_counter()
     try:
         _reset_peak_rss()
-        before = _rss_mib()["VmRSS"]
+        before = rss_mib()["VmRSS"]
         t0 = time.perf_counter()
         model = _model_class().from_pretrained(path, dtype=torch.float32)
         seconds = time.perf_counter() - t0
-        peak = _rss_mib()["VmHWM"]
+        peak = rss_mib()["VmHWM"]
     finally:
         _install_counter.restore()  # type: ignore[attr-defined]
         if patched:

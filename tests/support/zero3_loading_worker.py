@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from proc_memory import rss_mib
 from worker_exit import leave
 
 DS_CONFIG: dict[str, Any] = {
@@ -56,16 +57,6 @@ def model_config(size: str) -> Any:
         config.hidden_size, config.intermediate_size, config.vocab_size = 512, 1536, 8192
         config.num_attention_heads, config.num_key_value_heads = 8, 4
     return config
-
-
-def _rss_mib() -> dict[str, float]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS", "VmHWM")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0]) / 1024
-    return out
 
 
 class CommBytes:
@@ -178,12 +169,12 @@ def load(kind: str, patched: bool, config: Any, path: str) -> dict[str, Any]:
     torch.manual_seed(1234)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = _rss_mib()["VmRSS"]
+    before = rss_mib()["VmRSS"]
     wall, cpu = time.perf_counter(), time.process_time()
     with CommBytes() as comm, InitTimer() as init:
         model = load_only(kind, config, path)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    rss = _rss_mib()
+    rss = rss_mib()
     model_bytes = sum(int(p.ds_numel) * p.element_size() for p in model.parameters())
     partition_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
     result = {

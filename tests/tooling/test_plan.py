@@ -515,9 +515,9 @@ def _fake_step_peak(cfg: "transformers.PretrainedConfig", seq: int, checkpointin
 
     experts = getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0)
     # transformers' expert loop asks the routing data-dependent questions: answered as a balanced router would
-    balanced = BalancedRouting(experts) if experts else None
-    use_balanced = balanced is not None and getattr(cfg, "_experts_implementation", None) == "eager"
-    routing = balanced if use_balanced else contextlib.nullcontext()
+    eager = experts and getattr(cfg, "_experts_implementation", None) == "eager"
+    balanced = BalancedRouting(experts) if eager else None
+    routing = balanced if balanced is not None else contextlib.nullcontext()
     with FakeTensorMode():
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
@@ -541,7 +541,7 @@ def _fake_step_peak(cfg: "transformers.PretrainedConfig", seq: int, checkpointin
                 opt.zero_grad(set_to_none=True)
         if ran is not None:
             ran["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
-            ran["token_lists"] = balanced.token_lists if use_balanced and balanced is not None else 0
+            ran["token_lists"] = balanced.token_lists if balanced is not None else 0
         return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
