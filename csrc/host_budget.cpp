@@ -1,6 +1,8 @@
 // The process-wide host budget (host_budget.h): byte reservations of live records against one limit.
 #include "hsoffload/host_budget.h"
 
+#include "hsoffload/local_size.h"
+
 #include <c10/util/Exception.h>
 
 #include <unistd.h>
@@ -28,11 +30,7 @@ AutoBudget compute_auto_budget() {
   if (a.mem_available <= 0) {
     a.mem_available = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
   }
-  if (const char* lws = std::getenv("LOCAL_WORLD_SIZE")) {
-    char* end = nullptr;
-    const long n = std::strtol(lws, &end, 10);
-    if (end != lws && *end == '\0' && n > 0) a.local_world_size = n;
-  }
+  a.local_world_size = local_size().ranks;
   a.limit = static_cast<int64_t>(static_cast<double>(a.mem_available) * 0.8) / a.local_world_size;
   return a;
 }

@@ -17,12 +17,19 @@ bool SaveFootprint::contains(const SaveFootprint& other) const {
   return begin == other.begin && itemsize == other.itemsize && sizes == other.sizes && strides == other.strides;
 }
 
-void SharePolicy::first(SaveFootprint save, ProducerRef producer) {
+void SharePolicy::first(SaveFootprint save, ProducerRef producer, SaveSite site) {
   saves_.assign(1, std::move(save));
   producer_ = std::move(producer);
+  site_ = site;
 }
 
-bool SharePolicy::admits(const SaveFootprint& save, const void* producer) const {
+bool SharePolicy::admits(const SaveFootprint& save, const void* producer, const SaveSite& site,
+                         bool share_copies) const {
+  if (site == site_) {
+    return true;  // saved by the same node as the first save: nothing ran between the two saves
+  }
+  if (!share_copies) return false;  // (M24) any code may have run since the copy: this save gets its own
+
   if (producer != nullptr && producer_.get() == producer) {
     return true;  // a sibling view made by the same node as the first save
   }

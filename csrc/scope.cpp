@@ -367,13 +367,15 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
       span.first -= span.first % kSpanAlignment;
       const int64_t itemsize = static_cast<int64_t>(x.element_size());
       const ProducerRef producer = ProducerRef::of(x);
+      const SaveSite site = SaveSite::now();
       // A record of this storage may serve this save only with the same contents (version), aligned for this dtype,
       // and only for bytes it may share (SharePolicy): else the save gets a copy of its own.
       auto record = records_.find(x.storage().unsafeGetStorageImpl(), span.first, span.second,
                                   [&](const OffloadRecord& r) {
                                     if (r.source.version != version_of(x)) return false;
                                     if ((save.begin - r.source.begin) % itemsize != 0) return false;
-                                    if (!r.sharing.admits(save, producer.get())) return false;  // (M24) no stale bytes
+                                    // no stale bytes (SharePolicy, M24)
+                                    if (!r.sharing.admits(save, producer.get(), site, config_.share_copies)) return false;
                                     return true;
                                   });
       // Only within this scope entry's forward: a record of another graph, or one backward has restored already (a
@@ -388,7 +390,7 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
       } else {
         const auto copied = copy_span(span, static_cast<int64_t>(x.storage().nbytes()));
         record = offload_locked(x, copied.first, copied.second, may, need);
-        if (record) record->sharing.first(save, producer);
+        if (record) record->sharing.first(save, producer, site);
       }
       if (need.any()) {
         return need;  // pack() grows the pool or waits for room holding no lock, then comes back

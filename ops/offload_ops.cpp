@@ -5,6 +5,7 @@
 #include "stats_dict.h"
 
 #include "hsoffload/host_pool.h"
+#include "hsoffload/local_size.h"
 #include "hsoffload/scope.h"
 #include "hsoffload/transfer.h"
 
@@ -81,8 +82,10 @@ at::Tensor offload_unpack(const at::Tensor& handle) {
 
 c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
                                                   bool use_streams, int64_t prefetch_depth, std::string spill_dir,
-                                                  int64_t spill_prefetch_depth, int64_t spill_wait_ms) {
+                                                  int64_t spill_prefetch_depth, int64_t spill_wait_ms,
+                                                  bool share_copies) {
   OffloadConfig config;
+  config.share_copies = share_copies;
   config.spill_dir = std::move(spill_dir);
   config.spill_prefetch_depth = spill_prefetch_depth;
   config.spill_wait_ms = spill_wait_ms;
@@ -116,6 +119,11 @@ void set_host_budget(int64_t max_bytes) {
                     "MemAvailable / LOCAL_WORLD_SIZE), got ", max_bytes);
   global_host_budget()->set_limit(max_bytes);
   global_host_pool()->budget_changed(global_host_budget()->stats().limit);  // one limit, unless max_pool_bytes set
+}
+
+std::tuple<int64_t, std::string> local_size() {
+  const hsoffload::LocalSize local = hsoffload::local_size();
+  return {local.ranks, local.source};
 }
 
 c10::Dict<std::string, int64_t> budget_stats() {

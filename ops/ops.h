@@ -13,6 +13,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace hsoffload::ops {
@@ -23,12 +24,14 @@ at::Tensor offload_unpack(const at::Tensor& handle);
 
 c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
                                                   bool use_streams, int64_t prefetch_depth, std::string spill_dir,
-                                                  int64_t spill_prefetch_depth, int64_t spill_wait_ms);
+                                                  int64_t spill_prefetch_depth, int64_t spill_wait_ms,
+                                                  bool share_copies);
 // The stats ops return name -> value; the names are the lists in hsoffload/stats.h.
 c10::Dict<std::string, int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
 c10::Dict<std::string, int64_t> scope_spill_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
 void set_host_budget(int64_t max_bytes);
 c10::Dict<std::string, int64_t> budget_stats();
+std::tuple<int64_t, std::string> local_size();
 void mark_in(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x);
 bool is_marked(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x);
 c10::Dict<std::string, int64_t> process_stats();

@@ -16,7 +16,7 @@ TORCH_LIBRARY(hsoffload, m) {
            {torch::arg("min_offload_size") = 1024, torch::arg("offload_cpu_tensors") = false,
             torch::arg("pin_memory") = true, torch::arg("use_streams") = true, torch::arg("prefetch_depth") = 1,
             torch::arg("spill_dir") = "", torch::arg("spill_prefetch_depth") = 2,
-            torch::arg("spill_wait_ms") = 30000})
+            torch::arg("spill_wait_ms") = 30000, torch::arg("share_copies") = false})
       .def("enter", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->enter(); })
       .def("exit", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->exit(); })
       .def("active", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->active(); })
@@ -55,6 +55,8 @@ TORCH_LIBRARY(hsoffload, m) {
       .def_static("set_host_budget", &set_host_budget)
       // The process-wide host budget (HSOFFLOAD_BUDGET_STATS; an auto limit is resolved by the first call).
       .def_static("budget_stats", &budget_stats)
+      // The ranks on this node and the variable that said so ("" none): the one decider (hsoffload/local_size.h).
+      .def_static("local_size", &local_size)
       // True if the engine tells graph capture itself (torch >= 2.13's device guard); false: the caller passes
       // offload_pack's `capturing` flag.
       .def_static("engine_detects_capture", &engine_detects_capture)

@@ -101,9 +101,10 @@ MUTATIONS = [
              "held_ = std::move(restored);  // (M22) later handles of this record reuse this restore instead of copying again"),
     Mutation("M23", "pack: a record saved again by a later layer moves to that layer's prefetch group",
              "csrc/scope.cpp", "records_.regroup(record, open_group_, next_seq_++, epoch_);  // (M23) saved again by a later layer"),
-    Mutation("M24", "pack: a save shares a record's copy only for bytes an earlier save referenced, or as a sibling "
-             "view of the same node (no stale bytes)",
-             "csrc/scope.cpp", "if (!r.sharing.admits(save, producer.get())) return false;  // (M24) no stale bytes"),
+    Mutation("M24", "pack: by default a save shares a record's copy only when the same node made both saves (each save "
+             "restores the bytes it had at its own save)",
+             "csrc/records.cpp",
+             "if (!share_copies) return false;  // (M24) any code may have run since the copy: this save gets its own"),
 ]
 
 _SOURCES = ("CMakeLists.txt", "csrc", "ops", "tests/device/emu")

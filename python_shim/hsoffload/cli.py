@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--experts-implementation", default=None, help="MoE models: grouped_mm (transformers 5.x's default: one grouped GEMM per projection) or eager (the loop over the experts, transformers 4.x); default: what the installed transformers runs for the model class")
     pl.add_argument("--cpu-offload", default="none", help="none (default), optimizer (optimizer states, float32 master weights and gradients in pinned host memory, the step on the CPU: ZeRO-Offload) or params (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3 offload_param; the device holds the gathered layers)")
     pl.add_argument("--attn", default="sdpa", help="sdpa (default) or flash: linear in the sequence; math (SDPA's fallback without fused kernels) or eager: quadratic")
+    pl.add_argument("--share-copies", action="store_true", help="as OffloadConfig(share_copies=True): policy all copies a tensor several ops save once (default: a copy per save, each restoring its own bytes)")
     pl.add_argument("--no-checkpointing", action="store_true", help="no gradient checkpointing (hsoffload then offloads with policy all)")
     pl.add_argument("--no-fsdp", action="store_true", help="weights, gradients and optimizer states replicated on every rank (default: FSDP-sharded over --world-size)")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -236,6 +237,7 @@ def _plan(args: argparse.Namespace) -> int:
         fused_kernels=args.fused_kernels,
         sequence_parallel_kind=args.sequence_parallel_kind,
         experts_implementation=args.experts_implementation,
+        share_copies=args.share_copies,
     )
     try:
         if args.max_seq:

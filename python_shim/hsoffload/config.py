@@ -72,6 +72,11 @@ class OffloadConfig:
     # When packs outrun the disk and the host budget is full of copies being written out: how long a pack waits for
     # room (ms); past it, or with 0, the tensor stays on the device (counted in kept_on_device_tensors).
     spill_wait_ms: int = 30000
+    # Let a later save share an earlier save's host copy beyond one autograd node's saves (a tensor several ops save,
+    # a view inside a saved tensor, the chunks of one split): fewer copies and host bytes, but a write that bypasses
+    # the version counter (`.data`, a kernel writing through a raw pointer) between two saves then restores the first
+    # save's bytes. False: each saved tensor restores the bytes it had at its own save (docs/design.md, "Copy sharing").
+    share_copies: bool = False
     # What is offloaded: "hidden_states", "sac", "all", or a callable (tensor, module_qualified_name) -> bool
     # (see hsoffload.policy and docs/usage.md, "Offload policies").
     policy: Policy = "hidden_states"
@@ -106,7 +111,7 @@ class OffloadConfig:
         if self.spill_wait_ms > _MAX_SPILL_WAIT_MS:
             raise ValueError(f"hsoffload: spill_wait_ms must be at most {_MAX_SPILL_WAIT_MS} (one hour), got "
                              f"{self.spill_wait_ms}")
-        for name in ("offload_cpu_tensors", "pin_memory", "use_streams"):
+        for name in ("offload_cpu_tensors", "pin_memory", "use_streams", "share_copies"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"hsoffload: {name} must be a bool, got {getattr(self, name)!r}")
         if self.max_pool_bytes is not None and (

@@ -77,43 +77,38 @@ def empty_pool() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # The "auto" budget: 80 % of what MemAvailable at first use leaves once the host memory other libraries pin on the
 # node's ranks (ZeRO-Offload's model states, `set_host_room`) is set aside, split between the ranks of the node -- the
-# planner's host side (plan.HostSide) with MemAvailable for RAM. The engine computes 80 % of MemAvailable /
-# LOCAL_WORLD_SIZE; where a launcher names the local size otherwise, or room is left, the shim resolves "auto" itself
-# from the engine's MemAvailable figure and sets that limit (remembered as auto's resolution).
+# planner's host side (plan.HostSide) with MemAvailable for RAM. The engine computes 80 % of MemAvailable / the local
+# size, which only the engine decides (csrc/local_size.cpp: HSOFFLOAD_LOCAL_WORLD_SIZE, then the launcher's
+# variables); where room is left, the shim resolves "auto" itself from the engine's figures and sets that limit
+# (remembered as auto's resolution).
 
-# Launchers' names for the number of ranks on this node, in the order they are read: torchrun, DeepSpeed's launcher
-# (and Intel MPI through it), Slurm (srun --ntasks-per-node), Open MPI (mpirun).
-LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
-# ... and for this rank's index on the node: a rank that has one but no local size shares the node with others.
+# Launchers' names for this rank's index on the node: a rank that has one but no local size shares the node with
+# others (warned once).
 LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID")
 
 _auto_lock = threading.Lock()  # guards _room_bytes and _auto_limit
 _room_bytes = 0  # host bytes left to other libraries on this rank (set_host_room)
 _auto_limit: Optional[int] = None  # the limit the shim set as auto's resolution (None: the engine's own auto)
-_auto_local: tuple[int, str] = (1, "")
 
 
 def local_size() -> tuple[int, str]:
-    """The number of ranks on this node and the variable it came from (the first of LOCAL_SIZE_VARS that holds a
-    positive integer; Slurm's "4(x2)" form counts as 4), or (1, "") when none does. Logs a warning once when this
-    rank has a local rank but no local size: every rank then takes the whole node's share."""
-    for name in LOCAL_SIZE_VARS:
-        raw = os.environ.get(name, "").strip()
-        digits = raw.split("(", 1)[0]
-        if digits.isdigit() and int(digits) > 0:
-            return int(digits), name
-    ranks = [name for name in LOCAL_RANK_VARS if os.environ.get(name, "").strip()]
-    if ranks:
-        log_once(
-            "local-size-missing",
-            logging.WARNING,
-            "hsoffload: this process has a local rank (%s) but no local size (%s are unset), so the auto host budget "
-            "(max_host_bytes=auto) assumes it is alone on the node and may take 80%% of its RAM on every rank; set "
-            "LOCAL_WORLD_SIZE to the number of ranks per node, or pass max_host_bytes explicitly",
-            ", ".join(ranks),
-            ", ".join(LOCAL_SIZE_VARS),
-        )
-    return 1, ""
+    """The number of ranks on this node and the variable it came from, as the engine decides it (the precedence is
+    in docs/usage.md, "Host budget"), or (1, "") when no variable names it. Logs a warning once when this rank has a
+    local rank but no local size: every rank then takes the whole node's share."""
+    ranks, name = _engine().local_size()
+    if not name:
+        held = [var for var in LOCAL_RANK_VARS if os.environ.get(var, "").strip()]
+        if held:
+            log_once(
+                "local-size-missing",
+                logging.WARNING,
+                "hsoffload: this process has a local rank (%s) but no local size, so the auto host budget "
+                "(max_host_bytes=auto) assumes it is alone on the node and may take 80%% of its RAM on every rank; "
+                "set HSOFFLOAD_LOCAL_WORLD_SIZE (or LOCAL_WORLD_SIZE) to the number of ranks per node, or pass "
+                "max_host_bytes explicitly",
+                ", ".join(held),
+            )
+    return int(ranks), str(name)
 
 
 def set_host_room(nbytes: Union[int, str]) -> None:
@@ -142,9 +137,8 @@ def budget_stats() -> BudgetStats:
     stats = from_engine(BudgetStats, _engine().budget_stats())
     with _auto_lock:
         ours = _auto_limit is not None and not stats.is_auto and stats.limit == _auto_limit
-        local = _auto_local
     if ours:
-        return dataclasses.replace(stats, is_auto=True, local_world_size=local[0])
+        return dataclasses.replace(stats, is_auto=True, local_world_size=local_size()[0])
     return stats
 
 
@@ -158,19 +152,19 @@ def set_host_budget(max_host_bytes: Union[int, str]) -> None:
 
 
 def _resolve_auto() -> BudgetStats:
-    """Resolve an auto budget with every launcher's local size and the room left to others (see above)."""
-    global _auto_limit, _auto_local
+    """Resolve an auto budget with the room left to others (see above); the engine's own figure without room."""
+    global _auto_limit
     engine_stats = from_engine(BudgetStats, _engine().budget_stats())  # resolves the engine's auto
     if not engine_stats.is_auto:
         return budget_stats()
-    local, name = local_size()
     room = host_room()
-    if local == engine_stats.local_world_size and room == 0:
+    if room == 0:
         return engine_stats  # the engine's own figure is right
+    local = engine_stats.local_world_size
     limit = max(0, int((engine_stats.mem_available - room * local) * 0.8) // local)
     _engine().set_host_budget(limit)
     with _auto_lock:
-        _auto_limit, _auto_local = limit, (local, name)
+        _auto_limit = limit
     return budget_stats()
 
 
@@ -184,7 +178,7 @@ def apply_host_budget(wanted: Union[int, str, None]) -> None:
             now = _resolve_auto()
         if not now.is_auto:
             return
-        local, name = _auto_local if _auto_limit is not None else (now.local_world_size, "LOCAL_WORLD_SIZE")
+        local, name = local_size()
         log_once(
             "auto-budget",
             logging.INFO,
@@ -194,7 +188,7 @@ def apply_host_budget(wanted: Union[int, str, None]) -> None:
             f" less {host_room() / 2**30:.2f} GiB per rank left to other host users (set_host_room)"
             if host_room()
             else "",
-            name or "LOCAL_WORLD_SIZE",
+            name or "the local size (no launcher variable names it)",
             local,
         )
     elif now.is_auto or now.limit != wanted:

@@ -61,6 +61,7 @@ class PlanInput:
     fused_kernels: str = "none"  # none or liger (RMSNorm, SwiGLU, fused linear cross-entropy)
     sequence_parallel_kind: str = "ulysses"  # ulysses (all-to-all of heads) or ring (key/value chunks)
     experts_implementation: Optional[str] = None  # MoE: grouped_mm or eager; None: what the installed transformers picks
+    share_copies: bool = False  # OffloadConfig.share_copies (policy all: one copy for a tensor several ops save)
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -173,7 +174,7 @@ def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
         keep_last_layers=min(inp.keep_last_layers, shape.layers) if inp.keep_last_layers >= 0 else inp.keep_last_layers,
         prefetch_depth=inp.prefetch_depth, optimizer=inp.optimizer, selective_checkpointing=policy == "sac",
         cpu_offload=inp.cpu_offload, fused_kernels=inp.fused_kernels,
-        sequence_parallel_kind=inp.sequence_parallel_kind,
+        sequence_parallel_kind=inp.sequence_parallel_kind, share_copies=inp.share_copies,
         experts_implementation=(inp.experts_implementation
                                 or (default_experts_implementation(shape.text_model_type) if shape.moe_layers
                                     else "grouped_mm")),
@@ -377,6 +378,7 @@ def plan(inp: PlanInput) -> dict[str, Any]:
         "cpu_offload": setup.cpu_offload,
         "fused_kernels": setup.fused_kernels,
         "experts_implementation": setup.experts_implementation if shape.moe_layers else None,
+        "share_copies": setup.share_copies,
         "tiled_mlp": setup.tiled_mlp,
         "chunked_loss": setup.chunked_loss,
         "optimizer": setup.optimizer,

@@ -263,6 +263,7 @@ class Setup:
     fused_kernels: str = "none"  # one of FUSED_KERNELS ("liger" implies chunked_loss: its fused linear cross-entropy)
     sequence_parallel_kind: str = "ulysses"  # one of SEQUENCE_PARALLEL_KINDS
     experts_implementation: str = "grouped_mm"  # one of EXPERTS_IMPLEMENTATIONS (MoE models only)
+    share_copies: bool = False  # hsoffload's share_copies: saves of one tensor by several ops share one host copy
 
     @property
     def liger(self) -> bool:
@@ -734,9 +735,12 @@ def layer_backward_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     attention saved + attention's gradients in flight), each with the two residual gradients (of the layer's output
     and of its mid residual)."""
     residual_grads = 2 * hidden_bytes(shape, s)
-    mlp_stage = layer_saved_bytes(shape, s, moe) + max(mlp_backward_transient_bytes(shape, s, moe),
-                                                       moe_routing_bytes(shape, s, moe))
-    attention_stage = (norm_bytes(shape.hidden, s) + attention_saved_bytes(shape, s)
+    # The copies each save makes of its own come back with the layer; the probabilities' second copy is counted with
+    # the prefetched layer only (held_per_layer_bytes): the emulated allocator's peaks show it once, not twice.
+    attention_copies, mlp_copies, _ = unshared_save_parts(shape, s, moe)
+    mlp_stage = (layer_saved_bytes(shape, s, moe) + attention_copies + mlp_copies
+                 + max(mlp_backward_transient_bytes(shape, s, moe), moe_routing_bytes(shape, s, moe)))
+    attention_stage = (norm_bytes(shape.hidden, s) + attention_saved_bytes(shape, s) + attention_copies
                        + attention_backward_transient_bytes(shape, s) + sequence_parallel_buffer_bytes(shape, s))
     return max(mlp_stage, attention_stage) + residual_grads
 
@@ -754,11 +758,45 @@ def layer_forward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int
     return max(extra, moe_routing_bytes(shape, s, moe))
 
 
+def unshared_save_parts(shape: ModelShape, s: Setup, moe: bool) -> tuple[int, int, int]:
+    """Policy "all" without checkpointing, `share_copies` off: what one layer's saves copy beyond `layer_saved_bytes`
+    because each save gets a copy of its own (hsoffload's default, docs/design.md "Copy sharing") where several ops
+    save one tensor, as (attention block, MLP block, attention probabilities). Attention: the first norm's output
+    (q, k and v projections: two more), its float32 input and rsqrt (its pow and mul; rsqrt and mul), QK-norm's
+    likewise, rotary cos and sin (q's and k's products: two each, per layer), sdpa/flash's output (o_proj saves it
+    again). MLP: the second norm's output (gate and up, or an MoE block's router and experts: one more) and its
+    float32 input and rsqrt; an MoE block's fused gate_up output, whose two chunks are saved by two ops (act and
+    the product): each copies the whole output (it spans nearly all of it), one more per routed token. Probabilities: math's and eager float32's (softmax and the matmul with v). Liger's norms
+    and RoPE are one node each (their saves share). Zeros when nothing is offloaded this way."""
+    if s.checkpointing or s.offload != "all" or s.share_copies:
+        return 0, 0, 0
+    t, b = s.tokens, s.dtype_bytes
+    norm = 0 if s.liger else t * (shape.hidden + 1) * F32
+    attention = 2 * t * shape.hidden * b + norm * (shape.norms_per_layer - 1)
+    mlp = t * shape.hidden * b + norm
+    if moe:
+        mlp += t * shape.experts_per_token * 2 * shape.expert_intermediate * b
+    if not s.liger:
+        if shape.qk_norm:
+            attention += t * (shape.heads + shape.kv_heads) * (shape.head_dim + 1) * F32
+        attention += 4 * t * shape.head_dim * b  # cos and sin, each saved by q's and k's products
+    if s.attn in ("sdpa", "flash"):
+        attention += t * shape.heads * shape.head_dim * b
+    probabilities = attention_quadratic_bytes(shape, s) if s.attn == "math" or (s.attn == "eager" and b >= F32) else 0
+    return attention, mlp, probabilities
+
+
+def unshared_save_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+    """The host bytes one layer's saves copy beyond `layer_saved_bytes` (`unshared_save_parts`, all of them)."""
+    return sum(unshared_save_parts(shape, s, moe))
+
+
 def held_per_layer_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """What backward holds for one layer between its forward and its backward: the checkpointed input (policy
-    "sac": also the projections' outputs), or without checkpointing everything the layer saves and its input."""
+    "sac": also the projections' outputs), or without checkpointing everything the layer saves and its input (with
+    policy "all", the copies each save makes of its own: `unshared_save_bytes`)."""
     if not s.checkpointing:
-        return layer_saved_bytes(shape, s, moe) + hidden_bytes(shape, s)
+        return layer_saved_bytes(shape, s, moe) + hidden_bytes(shape, s) + unshared_save_bytes(shape, s, moe)
     sac = s.selective_checkpointing or s.offload == "sac"
     per_token = shape.hidden + (sac_elements_per_token(shape) if sac else 0)
     return s.tokens * per_token * s.dtype_bytes

@@ -99,6 +99,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             c.spill_dir or "",
             c.spill_prefetch_depth,
             c.spill_wait_ms,
+            c.share_copies,
         )
         scope_id = int(self._scope.id())
         pack_op = torch.ops.hsoffload.offload_pack.default

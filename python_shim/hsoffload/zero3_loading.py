@@ -34,6 +34,21 @@ did not patch would broadcast where the others scatter. Call `hsoffload.zero3_lo
 rank runs, before `from_config` / `from_pretrained`. The Axolotl plugin calls it with `hsoffload_zero3_loading: true`
 and a ZeRO-3 `deepspeed:` config (every rank runs the plugin); the Trainer integration cannot (the model exists before the Trainer).
 
+**Failing together.** Stock, a rank-0-only failure while loading (a checkpoint that does not fit the model, an I/O
+error or an OOM on rank 0, an exception in rank 0's `_load_from_state_dict` or `_init_weights`) raises on rank 0
+while the other ranks go on into their next collective and wait there for a rank that is gone. Under the patch:
+
+- before loading, every rank checks the checkpoint's names, shapes and dtypes against the model's (a ZeRO-3
+  parameter's `ds_shape`) from what it holds (rank 0 the tensors, the others their meta copies) and raises the same
+  error naming the tensors and what to do; `ignore_mismatched_sizes=True` leaves size-mismatched tensors to the
+  model's initialisation as transformers does without ZeRO-3;
+- a status all-reduce (`_agree`) runs after rank 0 read the checkpoint, after the load, and around every
+  gather/scatter of `RootGatheredParameters`: when a rank failed, every rank raises at the same point (the failed
+  rank its own exception, the others a `Zero3LoadError` quoting its message, broadcast with
+  `broadcast_object_list`). `__exit__` finishes every scatter before it raises, so no rank is left in one;
+- `patch(verify=True)` also compares, after every scatter, a checksum of each rank's partition with rank 0's slice of
+  the full values it scattered (position-weighted byte sums), and raises on every rank naming the parameter and rank.
+
 Stock collectives are kept (on every rank, decided from facts all ranks share) for: hpZ (`zero_hpz_partition_size`
 > 1: secondary partitions read other slices), quantized weights or quantized initialisation, NVMe parameter offload,
 persistent parameters (`ds_persist`: kept whole on every rank), non-contiguous parameters, a single-rank group, and
@@ -56,7 +71,8 @@ from ._logging import log_once
 
 logger = logging.getLogger("hsoffload")
 
-__all__ = ["RootGatheredParameters", "Zero3LoadStats", "is_patched", "patch", "reset_stats", "stats", "unpatch"]
+__all__ = ["RootGatheredParameters", "Zero3LoadError", "Zero3LoadStats", "is_patched", "patch", "reset_stats", "stats",
+           "unpatch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +88,9 @@ class Zero3LoadStats:
     meta_read_tensors: int = 0  # from_pretrained: checkpoint entries this rank read as meta (shape and dtype only)
     meta_read_bytes: int = 0  # their bytes, which this rank did not read
     real_read_tensors: int = 0  # entries it read for real: the model's persistent buffers (copied on every rank)
+    status_checks: int = 0  # status all-reduces this rank took part in (a rank's failure raises on every rank)
+    checked_tensors: int = 0  # from_pretrained: checkpoint entries whose shape and dtype were checked before loading
+    verified_params: int = 0  # patch(verify=True): partitions compared with rank 0's slice (one per parameter scatter)
 
 
 _stats_lock = threading.Lock()
@@ -173,6 +192,126 @@ def _send_slices(flat: torch.Tensor, part: int, world: int, src: int, group: Any
     return own
 
 
+# --------------------------------------------------------------------------- failing together, verifying
+
+
+class Zero3LoadError(RuntimeError):
+    """Raised on a rank whose own part succeeded while another rank failed: the message quotes that rank's error."""
+
+
+_settings = {"verify": False}  # patch(verify=...)
+_AGREED = "_hsoffload_zero3_agreed"  # set on an exception every rank raised at the same status check
+
+
+def _agreed(exc: BaseException) -> bool:
+    return bool(getattr(exc, _AGREED, False))
+
+
+def _mark(exc: BaseException) -> BaseException:
+    try:
+        setattr(exc, _AGREED, True)
+    except AttributeError:  # an exception type without a __dict__: the caller's next status check still matches
+        pass
+    return exc
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _agree(failure: Optional[BaseException], stage: str, group: Any = None) -> None:
+    """A status check: every rank of `group` (default: the world) calls it at the same point of the same code. When no
+    rank failed, returns. Otherwise every rank raises here: a rank that failed its own exception, the others a
+    Zero3LoadError quoting the message of the lowest failed rank (broadcast from it), so that none goes on into a
+    collective the failed ranks will never join."""
+    dist = _dist()
+    world = dist.get_world_size(group=group)
+    rank = dist.get_rank(group=group)
+    flag = torch.tensor([rank if failure is not None else world], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    _add(status_checks=1)
+    src = int(flag.item())
+    if src == world:
+        return
+    message = [_describe(failure) if rank == src and failure is not None else None]
+    src_global = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast_object_list(message, src=src_global, group=group)
+    if failure is not None:
+        logger.error("hsoffload.zero3_loading: this rank failed while %s; every rank raises: %s", stage,
+                     _describe(failure))
+        raise _mark(failure)
+    raise _mark(Zero3LoadError(
+        f"hsoffload.zero3_loading: rank {src_global} failed while {stage}, so this rank (rank {dist.get_rank()}) "
+        f"stops too instead of waiting in a collective for it. Fix what rank {src_global} reports: {message[0]}"))
+
+
+_CHECKSUM_CHUNK = 1 << 22  # bytes per step: the int64 temporaries stay at 8x this (32 MiB)
+_ADLER = 65521
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Position-weighted byte sums of `t` (int64[2], on its device): (sum of bytes, sum of byte * (index % 65521 + 1)).
+    Exact (integer), independent of the values' dtype (NaN compares equal to itself), sensitive to moved bytes."""
+    b = t.detach().contiguous().view(-1).view(torch.uint8)
+    out = torch.zeros(2, dtype=torch.int64, device=b.device)
+    for start in range(0, b.numel(), _CHECKSUM_CHUNK):
+        c = b[start:start + _CHECKSUM_CHUNK].to(torch.int64)
+        w = torch.arange(start, start + c.numel(), dtype=torch.int64, device=b.device).remainder_(_ADLER).add_(1)
+        out[0] += c.sum()
+        out[1] += (c * w).sum()
+    return out
+
+
+def _verify_partitions(labels: list[str], mine: list[torch.Tensor], expected: Optional[list[list[torch.Tensor]]],
+                       src: int, group: Any) -> Optional[Exception]:
+    """Gather every rank's partition checksums (`mine`, one per parameter) to group rank 0 (global rank `src`),
+    which compares them with `expected[rank][i]`, the checksums of its slices of the full values it scattered.
+    Returns rank 0's mismatch error (None elsewhere and when all match): the caller's status check raises it
+    everywhere."""
+    dist = _dist()
+    world = dist.get_world_size(group=group)
+    device = _comm_device()
+    local = torch.stack(mine).to(device) if mine else torch.zeros(0, 2, dtype=torch.int64, device=device)
+    _add(verified_params=len(mine))
+    if expected is None:
+        dist.gather(local, None, dst=src, group=group)
+        return None
+    got = [torch.empty_like(local) for _ in range(world)]
+    dist.gather(local, got, dst=src, group=group)
+    bad = []
+    for r in range(world):
+        want = torch.stack(expected[r]).to(device) if mine else local
+        for i in torch.nonzero((got[r] != want).any(dim=1)).flatten().tolist():
+            bad.append(f"{labels[i]} on group rank {r}: partition checksum {got[r][i].tolist()}, rank 0's slice "
+                       f"{want[i].tolist()}")
+    if not bad:
+        return None
+    return RuntimeError(
+        "hsoffload.zero3_loading: verify=True found partitions that differ from the values rank 0 scattered: "
+        + "; ".join(bad[:8]) + (f" (and {len(bad) - 8} more)" if len(bad) > 8 else "")
+        + ". This is a bug in the loading collectives (please report it with this message); unpatch() loads with "
+        "DeepSpeed's own collectives meanwhile.")
+
+
+def _slice_checksums(flat: torch.Tensor, part: int, world: int) -> list[torch.Tensor]:
+    """Rank 0: the checksum of each rank's slice of `flat` (its valid elements, without padding)."""
+    return [_checksum(flat[r * part:r * part + _valid(flat.numel(), part, r)]) for r in range(world)]
+
+
+# For tests only: after_receive(label, partition) runs on a receiving rank after each slice a RootGatheredParameters
+# exit wrote (the worker corrupts one byte to prove that verify=True notices).
+_TEST_HOOKS: dict[str, Optional[Callable[[str, torch.Tensor], None]]] = {"after_receive": None}
+
+_names = threading.local()  # .by_id: {id(param): name} while a patched transformers function runs
+
+
+def _label(p: Any) -> str:
+    """The parameter's name where a patched transformers function told us, else its ds_id and shape."""
+    name = (getattr(_names, "by_id", None) or {}).get(id(p))
+    shape = tuple(getattr(p, "ds_shape", p.shape))
+    return f"{name} {shape}" if name else f"parameter ds_id={getattr(p, 'ds_id', '?')} {shape}"
+
+
 # --------------------------------------------------------------------------- zero.Init: scatter, not broadcast
 
 
@@ -212,6 +351,8 @@ def _make_zero_init_param(original: Callable[..., Any], patch: Any) -> Callable[
             return
         part = self._aligned_size(param) // self._partition_world_size(param)  # as _partition_param computes it
         flat = param.data.view(-1)
+        valid = _valid(param.ds_numel, part, rank)
+        expected: Optional[list[list[torch.Tensor]]] = None
         if _decide(param, rank):
             # DeepSpeed allocates the partition and frees the full-size buffer, which nothing wrote: reading its
             # untouched pages maps the kernel's zero page, so it never becomes resident (nor kept by the allocator).
@@ -219,13 +360,19 @@ def _make_zero_init_param(original: Callable[..., Any], patch: Any) -> Callable[
             full = flat.numel() * flat.element_size()
             del flat
             param.partition()
-            got = _receive_slice(param.ds_tensor, _valid(param.ds_numel, part, rank), part, src, group)
+            got = _receive_slice(param.ds_tensor, valid, part, src, group)
             _add(scattered_params=1, received_params=1, received_bytes=got, skipped_full_bytes=full - got)
         else:
+            if _settings["verify"]:
+                expected = [[c] for c in _slice_checksums(flat, part, world)]
             _send_slices(flat, part, world, src, group)
             _add(scattered_params=1)
             del flat
             param.partition()
+        if _settings["verify"]:
+            mine = [_checksum(param.ds_tensor.narrow(0, 0, valid))]
+            failure = _verify_partitions([_label(param)], mine, expected, src, group)
+            _agree(failure, "verifying zero.Init's partitions", group)
 
     return _zero_init_param
 
@@ -267,49 +414,89 @@ class RootGatheredParameters:
                  enabled: bool = True) -> None:
         pass  # everything was set by __new__
 
+    def _group(self) -> Any:
+        """The group the status checks run in: the partition group (the same for every parameter that transformers'
+        loading functions gather together; every rank of it runs the same code)."""
+        return self._params[0].ds_process_group
+
     def __enter__(self) -> None:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         device = _comm_device()
-        for p in self._params:
+        # Allocate first (rank 0's full-size buffers may not fit), agree, then gather: a rank that failed must not
+        # leave the others waiting in a gather it will never join.
+        plan: list[tuple[Any, torch.Tensor, Optional[torch.Tensor], int]] = []
+        failure: Optional[Exception] = None
+        try:
+            for p in self._params:
+                rank, world, src = _group_facts(p.ds_process_group)
+                mine = p.ds_tensor if p.ds_tensor.device == device else p.ds_tensor.to(device)
+                full = None
+                if not _decide(p.ds_tensor, rank):
+                    full = torch.empty(p.ds_tensor.ds_numel * world, dtype=p.ds_tensor.dtype, device=device)
+                plan.append((p, mine, full, src))
+        except Exception as e:  # noqa: BLE001  (every rank raises it, or its message, at the status check)
+            failure = e
+        _agree(failure, "allocating full parameters to gather them to rank 0", self._group())
+        for p, mine, full, src in plan:
             group = p.ds_process_group
-            rank, world, src = _group_facts(group)
-            part = p.ds_tensor.ds_numel
-            mine = p.ds_tensor if p.ds_tensor.device == device else p.ds_tensor.to(device)
-            if _decide(p.ds_tensor, rank):
+            if full is None:
                 _dist().gather(mine.view(torch.uint8), None, dst=src, group=group)
                 self._full.append(None)
-                full = p.ds_numel * p.element_size()
-                _add(gathered_params=1, skipped_full_bytes=full)
+                _add(gathered_params=1, skipped_full_bytes=p.ds_numel * p.element_size())
             else:
-                full = torch.empty(part * world, dtype=p.ds_tensor.dtype, device=device)
-                chunks = [c.view(torch.uint8) for c in full.chunk(world)]
+                chunks = [c.view(torch.uint8) for c in full.chunk(_dist().get_world_size(group=group))]
                 _dist().gather(mine.view(torch.uint8), chunks, dst=src, group=group)
                 p.data = full.narrow(0, 0, p.ds_numel).view(p.ds_shape)
                 p.ds_status = ZeroParamStatus.AVAILABLE
                 self._full.append(full)
                 _add(gathered_params=1)
 
-    def __exit__(self, *exc: Any) -> None:
-        # Always run the exit collectives (as DeepSpeed does): a rank that raised inside the body must not leave the
-        # others waiting in a scatter.
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        # Every scatter runs, whatever failed on this rank (as DeepSpeed's exit broadcasts always run): the receiving
+        # ranks are waiting in them. Then a status check raises any rank's failure on every rank.
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+        failure: Optional[BaseException] = exc if isinstance(exc, Exception) else None
+        verify = _settings["verify"]
+        labels: list[str] = []
+        mine: list[torch.Tensor] = []
+        expected: Optional[list[list[torch.Tensor]]] = None
+        src = 0
         for p, full in zip(self._params, self._full):
             group = p.ds_process_group
             rank, world, src = _group_facts(group)
             part = p.ds_tensor.ds_numel
+            n = _valid(p.ds_numel, part, rank)
             if full is None:
-                got = _receive_slice(p.ds_tensor, _valid(p.ds_numel, part, rank), part, src, group)
+                got = _receive_slice(p.ds_tensor, n, part, src, group)
                 _add(received_params=1, received_bytes=got)
+                if _TEST_HOOKS["after_receive"] is not None:
+                    _TEST_HOOKS["after_receive"](_label(p), p.ds_tensor)
             else:
-                own = _send_slices(_flat_values(p), part, world, src, group)
-                n = _valid(p.ds_numel, part, rank)
+                try:
+                    flat = _flat_values(p)
+                except Exception as e:  # noqa: BLE001  (raised below, on every rank, after the scatters)
+                    failure = failure or e
+                    flat = full.narrow(0, 0, p.ds_numel)  # something of the right size, so the receivers finish
+                if verify:
+                    expected = expected or [[] for _ in range(world)]
+                    for r, c in enumerate(_slice_checksums(flat, part, world)):
+                        expected[r].append(c)
+                own = _send_slices(flat, part, world, src, group)
                 if n > 0:
                     p.ds_tensor.narrow(0, 0, n).copy_(own.narrow(0, 0, n))
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+            if verify:
+                labels.append(_label(p))
+                mine.append(_checksum(p.ds_tensor.narrow(0, 0, n)))
         self._full = []
+        if verify and self._params:
+            failure = failure or _verify_partitions(labels, mine, expected, src, self._group())
+        if failure is not None and failure is exc and _agreed(exc):
+            return None  # already raised on every rank (a nested status check)
+        _agree(failure, "inside GatheredParameters (rank 0's init or load of gathered parameters)", self._group())
         return None
 
 
@@ -380,20 +567,207 @@ def _persistent_buffer_keys(model: torch.nn.Module) -> set[str]:
     return names | {n[len(prefix) + 1:] for n in names if prefix and n.startswith(prefix + ".")}
 
 
+_load_ctx = threading.local()  # .pending: inside from_pretrained, before its first status check; .mismatched
+
+
+def _zero3_distributed(load_config: Any) -> bool:
+    """Transformers' ZeRO-3 loading path (ZeRO-3, not quantized) with more than one rank: where the status checks
+    and the checkpoint check run."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    dist = _dist()
+    return (is_deepspeed_zero3_enabled() and not getattr(load_config, "is_quantized", False)
+            and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
 def _make_load_pretrained(previous: Any, patch: Any) -> Any:
     func = previous.__func__ if isinstance(previous, staticmethod) else previous
 
     @functools.wraps(func)
     def _load_pretrained_model(model: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        if not patch.active or state_dict is not None or not _receives_weights_only(model, args, kwargs):
+        load_config = args[1] if len(args) > 1 else kwargs.get("load_config")
+        if not patch.active or not _zero3_distributed(load_config):
             return func(model, state_dict, *args, **kwargs)
-        _meta_read.buffers = _persistent_buffer_keys(model)
+        if state_dict is None and _receives_weights_only(model, args, kwargs):
+            _meta_read.buffers = _persistent_buffer_keys(model)
+        _load_ctx.pending, _load_ctx.mismatched = True, []
         try:
-            return func(model, state_dict, *args, **kwargs)
+            result = func(model, state_dict, *args, **kwargs)
+        except Exception as e:
+            # Failed before the first status check (rank 0 reading the checkpoint, typically): the other ranks wait
+            # in that check, inside _load_state_dict_into_zero3_model. Join it there, so they raise too.
+            if _agreed(e) or not _load_ctx.pending:
+                raise
+            _load_ctx.pending = False
+            _agree(e, "reading the checkpoint")
+            raise
         finally:
             _meta_read.buffers = None
+            _load_ctx.pending = False
+            mismatched, _load_ctx.mismatched = _load_ctx.mismatched, []
+        info = result[0] if isinstance(result, tuple) and result else None
+        if mismatched and hasattr(info, "mismatched_keys") and hasattr(info, "missing_keys"):
+            # ignore_mismatched_sizes=True: report them as transformers does without ZeRO-3 (they stay uninitialised
+            # partitions until _initialize_missing_keys, which initialises every parameter not loaded)
+            info.mismatched_keys.update(mismatched)
+            info.missing_keys.difference_update(name for name, _, _ in mismatched)
+        return result
 
     return staticmethod(_load_pretrained_model) if isinstance(previous, staticmethod) else _load_pretrained_model
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "floating point"
+    return "bool" if dtype == torch.bool else "integer"
+
+
+def _converted(model: Any, state_dict: Any, load_config: Any) -> tuple[Any, Any]:
+    """The state dict with transformers' weight conversions applied (legacy renamings, expert fusion), as
+    `_load_state_dict_into_zero3_model` applies them before loading, and the config without them (so they are not
+    applied twice); (state_dict, load_config) unchanged where this transformers has no such function."""
+    mapping = getattr(load_config, "weight_mapping", None)
+    convert = getattr(_hf_ds_module(), "_apply_weight_conversions_to_state_dict", None)
+    if not mapping or convert is None or not dataclasses.is_dataclass(load_config):
+        return state_dict, load_config
+    metadata = getattr(state_dict, "_metadata", None)
+    copied = state_dict.copy()  # the conversion pops from the dict it is given
+    if metadata is not None:
+        copied._metadata = metadata
+    converted = convert(model, copied, mapping)
+    model._weight_conversions = mapping  # what transformers' function records for saving
+    return converted, dataclasses.replace(load_config, weight_mapping=None)
+
+
+def _check_checkpoint(model: Any, state_dict: Any, load_config: Any) -> tuple[Any, Any, list[Any]]:
+    """Compare every checkpoint entry that the model has with the model's tensor (a ZeRO-3 parameter's `ds_shape`,
+    as every rank holds it). Raises ValueError naming every mismatch; with `ignore_mismatched_sizes` drops the
+    size-mismatched entries instead (returned as (name, checkpoint shape, model shape)) so the model initialises
+    them. Every rank holds the same names, shapes and dtypes (rank 0 the tensors, the others meta copies): it raises
+    the same error on every rank. Entries the model does not have are dropped by transformers, as before."""
+    state_dict, load_config = _converted(model, state_dict, load_config)
+    expected = model.state_dict(keep_vars=True)
+    prefix = getattr(model, "base_model_prefix", None)
+    ignore = bool(getattr(load_config, "ignore_mismatched_sizes", False))
+    problems: list[str] = []
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    drop: list[str] = []
+    checked = 0
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        name = f"{prefix}.{key}" if prefix and expected.get(f"{prefix}.{key}") is not None else key
+        target = expected.get(name)
+        if target is None:
+            continue
+        checked += 1
+        shape, got = tuple(getattr(target, "ds_shape", target.shape)), tuple(value.shape)
+        if got != shape:
+            if ignore:
+                drop.append(key)
+                mismatched.append((name, got, shape))
+                continue
+            problems.append(f"size mismatch for {name}: copying a param with shape {got} ({value.dtype}) from "
+                            f"checkpoint, the shape in current model is {shape} ({target.dtype})")
+        elif _dtype_kind(value.dtype) != _dtype_kind(target.dtype):
+            problems.append(f"dtype mismatch for {name}: the checkpoint holds {value.dtype} {got}, the model "
+                            f"{target.dtype} {shape} (a cast from {_dtype_kind(value.dtype)} to "
+                            f"{_dtype_kind(target.dtype)} would change what the values mean)")
+    _add(checked_tensors=checked)
+    if problems:
+        sizes = any(p.startswith("size") for p in problems)
+        raise ValueError(
+            f"hsoffload.zero3_loading: the checkpoint does not fit {type(model).__name__} (checked on every rank "
+            f"before loading; {len(problems)} of {checked} tensors): " + "; ".join(problems[:8])
+            + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            + ". Load it with the config it was saved with (its config.json: check the model name and any config "
+            "overrides you pass)"
+            + (", or pass ignore_mismatched_sizes=True to from_pretrained to initialise the size-mismatched tensors "
+               "instead of loading them" if sizes else "")
+            + ("; a dtype mismatch needs a checkpoint converted to the model's dtypes"
+               if len(problems) > sum(p.startswith("size") for p in problems) else "") + ".")
+    if drop:
+        kept = state_dict.copy()
+        for key in drop:
+            del kept[key]
+        state_dict = kept
+        logger.warning("hsoffload.zero3_loading: ignore_mismatched_sizes=True: %d tensors are initialised, not "
+                       "loaded (shape in the checkpoint differs): %s", len(drop),
+                       ", ".join(f"{n} {c} -> {m}" for n, c, m in mismatched[:8]))
+    return state_dict, load_config, mismatched
+
+
+class _Named:
+    """Names of the model's parameters for the errors of this thread's status checks and verification."""
+
+    def __init__(self, model: Any) -> None:
+        named = getattr(model, "named_parameters", None)
+        self._by_id = {id(p): n for n, p in named()} if callable(named) else {}
+
+    def __enter__(self) -> None:
+        self._saved = getattr(_names, "by_id", None)
+        _names.by_id = self._by_id
+
+    def __exit__(self, *exc: Any) -> None:
+        _names.by_id = self._saved
+
+
+def _make_checked_load(original: Callable[..., Any], patch: Any) -> Callable[..., Any]:
+    """`_load_state_dict_into_zero3_model` with the checkpoint checked on every rank, status checks before and after
+    the load (rank 0 alone loads; its failure, its `error_msgs` included, raises on every rank) and the
+    parameters' names known to the verification."""
+
+    @functools.wraps(original)
+    def load(model_to_load: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        if not patch.active:
+            return original(model_to_load, state_dict, *args, **kwargs)
+        load_config = args[0] if args else kwargs.get("load_config")
+        if getattr(_load_ctx, "inside", False) or not _zero3_distributed(load_config):
+            # inside: transformers.modeling_utils imported after transformers.integrations.deepspeed was patched
+            # holds our wrapper of the latter as its "original": check and agree once per load
+            return _armed_call(original, model_to_load, state_dict, *args, **kwargs)
+        _load_ctx.inside = True
+        try:
+            return _checked_load(original, model_to_load, state_dict, args, kwargs)
+        finally:
+            _load_ctx.inside = False
+
+    return load
+
+
+def _checked_load(original: Callable[..., Any], model_to_load: Any, state_dict: Any, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Any:
+    _load_ctx.pending = False
+    failure: Optional[Exception] = None
+    mismatched: list[Any] = []
+    try:
+        load_config = args[0] if args else kwargs.get("load_config")
+        state_dict, checked_config, mismatched = _check_checkpoint(model_to_load, state_dict, load_config)
+        if checked_config is not load_config:  # the conversions are applied: not twice
+            if args:
+                args = (checked_config,) + args[1:]
+            else:
+                kwargs = {**kwargs, "load_config": checked_config}
+    except Exception as e:  # noqa: BLE001  (raised on every rank by the status check)
+        failure = e
+    _agree(failure, "reading and checking the checkpoint")
+    failure, result = None, None
+    try:
+        with _Named(model_to_load):
+            result = _armed_call(original, model_to_load, state_dict, *args, **kwargs)
+        error_msgs = result[0] if isinstance(result, tuple) and result else None
+        if error_msgs:  # rank 0's _load_from_state_dict: transformers raises them on rank 0 only, later
+            failure = RuntimeError(f"Error(s) in loading state_dict for {type(model_to_load).__name__}:\n\t"
+                                   + "\n\t".join(error_msgs))
+    except Exception as e:  # noqa: BLE001
+        if _agreed(e):
+            raise
+        failure = e
+    _agree(failure, "loading the checkpoint (rank 0's _load_from_state_dict)")
+    _load_ctx.mismatched = mismatched
+    return result
 
 
 def _receives_weights_only(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -518,7 +892,8 @@ def _make_armed(original: Callable[..., Any], patch: Any) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not patch.active:
             return original(*args, **kwargs)
-        return _armed_call(original, *args, **kwargs)
+        with _Named(args[0] if args else kwargs.get("model")):
+            return _armed_call(original, *args, **kwargs)
 
     return wrapper
 
@@ -531,22 +906,30 @@ def _make_gathered(previous: Any, patch: Any) -> Any:
 ZERO_INIT_PARAM = _AttrPatch(_init_class, "_zero_init_param", _make_zero_init_param)
 GATHERED = _AttrPatch(_ds_zero_module, "GatheredParameters", _make_gathered)
 INITIALIZE_WEIGHTS = _AttrPatch(_hf_ds_module, "initialize_weights_zero3", _make_armed)
-LOAD_ZERO3 = _AttrPatch(_hf_ds_module, "_load_state_dict_into_zero3_model", _make_armed)
-LOAD_ZERO3_MODELING = _AttrPatch(_hf_modeling_module, "_load_state_dict_into_zero3_model", _make_armed)
+LOAD_ZERO3 = _AttrPatch(_hf_ds_module, "_load_state_dict_into_zero3_model", _make_checked_load)
+LOAD_ZERO3_MODELING = _AttrPatch(_hf_modeling_module, "_load_state_dict_into_zero3_model", _make_checked_load)
 LOAD_PRETRAINED = _AttrPatch(_pretrained_model_class, "_load_pretrained_model", _make_load_pretrained)
 META_LOAD = _AttrPatch(_hf_modeling_module, "load_state_dict", _make_meta_load)
 _PATCHES = (ZERO_INIT_PARAM, GATHERED, INITIALIZE_WEIGHTS, LOAD_ZERO3, LOAD_ZERO3_MODELING, LOAD_PRETRAINED, META_LOAD)
 _lock = threading.Lock()
 
 
-def patch() -> None:
-    """Install the root-only collectives (idempotent). Call it on every rank, before building or loading the model
-    under ZeRO-3. Raises ImportError without DeepSpeed or transformers."""
+def patch(verify: bool = False) -> None:
+    """Install the root-only collectives (idempotent; the last call's `verify` holds). Call it on every rank, with
+    the same `verify`, before building or loading the model under ZeRO-3. `verify=True` compares a checksum of every
+    partition after each scatter with rank 0's slice of the values it scattered (a gather of 16 bytes per parameter
+    and the checksums' reads of every byte once more: for tests and first runs of a new set-up). Raises ImportError
+    without DeepSpeed or transformers, TypeError for a `verify` that is not a bool."""
+    if not isinstance(verify, bool):
+        raise TypeError(f"hsoffload.zero3_loading.patch: verify must be True or False, got {verify!r}")
     with _lock:
+        _settings["verify"] = verify
+        _hf_modeling_module()  # imported first, so that it holds transformers' own function, not our wrapper of it
         for p in _PATCHES:
             p.install()
     logger.info("hsoffload.zero3_loading: patched zero.Init._zero_init_param, initialize_weights_zero3 and "
-                "_load_state_dict_into_zero3_model (ranks other than group rank 0 receive only their partition)")
+                "_load_state_dict_into_zero3_model (ranks other than group rank 0 receive only their partition; "
+                "verify=%s)", verify)
 
 
 def unpatch() -> bool:

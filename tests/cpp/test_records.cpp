@@ -6,9 +6,12 @@
 
 #include "test_expect.h"
 
+#include <thread>
+
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -183,16 +186,21 @@ void test_share_policy_admits_referenced_bytes_and_same_node_siblings() {
   hsoffload::SaveFootprint half{0, 4096 - 64, 4, {32, 16}, {32, 1}, false};  // columns 0..15 of the same rows
   hsoffload::SaveFootprint other_half{64, 4096, 4, {32, 16}, {32, 1}, false};
   hsoffload::SaveFootprint inner{1024, 2048, 4, {8, 32}, {32, 1}, true};
+  const hsoffload::SaveSite here{std::this_thread::get_id(), 7};
+  const hsoffload::SaveSite later{std::this_thread::get_id(), 8};
   hsoffload::SharePolicy whole;
-  whole.first(dense, hsoffload::ProducerRef());
-  EXPECT(whole.admits(inner, nullptr) && whole.admits(half, nullptr));  // inside bytes a save referenced
+  whole.first(dense, hsoffload::ProducerRef(), here);
+  EXPECT(whole.admits(inner, nullptr, here, false));  // the same node's saves share by default
+  EXPECT(!whole.admits(inner, nullptr, later, false) && !whole.admits(dense, nullptr, later, false));  // no opt-in
+  EXPECT(whole.admits(inner, nullptr, later, true) && whole.admits(half, nullptr, later, true));  // referenced bytes
   hsoffload::SharePolicy strided;
-  strided.first(half, hsoffload::ProducerRef());
-  EXPECT(strided.admits(half, nullptr));             // the same elements
-  EXPECT(!strided.admits(other_half, nullptr));      // bytes only the copy spans, no save referenced
-  EXPECT(!strided.admits(inner, nullptr));
+  strided.first(half, hsoffload::ProducerRef(), here);
+  EXPECT(strided.admits(half, nullptr, later, true));             // the same elements
+  EXPECT(!strided.admits(other_half, nullptr, later, true));      // bytes only the copy spans, no save referenced
+  EXPECT(!strided.admits(inner, nullptr, later, true));
   strided.add(other_half);
-  EXPECT(strided.admits(other_half, nullptr));       // once a save referenced them
+  EXPECT(strided.admits(other_half, nullptr, later, true));       // once a save referenced them
+  EXPECT(!strided.admits(other_half, nullptr, later, false));     // but only with the opt-in
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
-"""The auto host budget on nodes shared by several ranks, whatever launched them (issue 28 item 4): the local size
-from torchrun, DeepSpeed's launcher, Slurm or Open MPI, a warning when a rank has a local rank but no local size, and
-the room left to ZeRO-Offload's host states."""
+"""The auto host budget on nodes shared by several ranks, whatever launched them (issue 28 item 4, issue 33 item 4):
+one decider of the local size (the engine's, csrc/local_size.cpp) for every launcher's variable, the same before any
+scope and inside one, with a stated precedence; a warning when a rank has a local rank but no local size; the room
+left to ZeRO-Offload's host states."""
 
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ from hsoffload.scope import OffloadScope
 from support import hf_tiny as H
 
 CPU = {"offload_cpu_tensors": True, "min_offload_size": 0}
-# torchrun, DeepSpeed's launcher, Slurm, Open MPI (listed here, not read from hsoffload, so that a variable hsoffload
-# stops reading fails its test)
-SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+# The explicit override, torchrun, DeepSpeed's launcher, Open MPI, Intel MPI / MPICH, Slurm (listed here, not read
+# from hsoffload, so that a variable hsoffload stops reading fails its test)
+SIZE_VARS = ("HSOFFLOAD_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+             "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 
 
 @pytest.fixture(autouse=True)
 def _clean_budget(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in SIZE_VARS + host.LOCAL_SIZE_VARS + host.LOCAL_RANK_VARS + ("HSOFFLOAD_MAX_HOST_BYTES", "WORLD_SIZE"):
+    for name in SIZE_VARS + host.LOCAL_RANK_VARS + ("HSOFFLOAD_MAX_HOST_BYTES", "WORLD_SIZE", "SLURM_NODEID"):
         monkeypatch.delenv(name, raising=False)
     forget_logged()
     hsoffload.set_host_room(0)
@@ -36,12 +38,22 @@ def _clean_budget(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _auto_budget(caplog: pytest.LogCaptureFixture) -> tuple[hsoffload.BudgetStats, list[str]]:
+    hsoffload.set_host_budget("auto")  # resolved again at its next use, with the variables the test set
     with caplog.at_level(logging.INFO, logger="hsoffload"):
         for _ in range(2):  # resolved once, kept by the next entry
             with OffloadScope(max_host_bytes="auto", **CPU):
                 pass
     lines = [r.getMessage() for r in caplog.records if "max_host_bytes=auto" in r.getMessage()]
     return hsoffload.budget_stats(), lines
+
+
+def _before_and_inside_a_scope() -> tuple[int, int]:
+    """The local size budget_stats() reports before any scope (a fresh auto budget) and inside one."""
+    hsoffload.set_host_budget("auto")
+    before = hsoffload.budget_stats().local_world_size
+    with OffloadScope(max_host_bytes="auto", **CPU):
+        inside = hsoffload.budget_stats().local_world_size
+    return before, inside
 
 
 @pytest.mark.parametrize("name", SIZE_VARS)
@@ -52,13 +64,23 @@ def test_each_launchers_local_size_splits_the_auto_budget(
     b, lines = _auto_budget(caplog)
     assert b.is_auto and b.local_world_size == 4
     assert b.limit == int(b.mem_available * 0.8) // 4
-    assert len(lines) == 1 and f"{name} 4" in lines[0], lines
+    assert len(lines) == 1 and f"/ {name}" in lines[0] and lines[0].endswith(" 4"), lines
+    assert _before_and_inside_a_scope() == (4, 4)
 
 
-def test_slurm_repeated_count_form(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")
-    b, _ = _auto_budget(caplog)
-    assert b.local_world_size == 8 and b.limit == int(b.mem_available * 0.8) // 8
+@pytest.mark.parametrize("spec, node, expected", [
+    ("8(x2)", "1", 8), ("2(x3),1", "0", 2), ("2(x3),1", "2", 2), ("2(x3),1", "3", 1), ("2(x3),1", None, 2),
+    ("4,6", "1", 6),
+])
+def test_slurm_tasks_per_node_reads_this_nodes_count(
+    spec: str, node: str | None, expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", spec)
+    if node is not None:
+        monkeypatch.setenv("SLURM_NODEID", node)
+    assert _before_and_inside_a_scope() == (expected, expected)
+    assert hsoffload.host.local_size() == (expected, "SLURM_TASKS_PER_NODE" if node is not None else
+                                           "SLURM_TASKS_PER_NODE (no SLURM_NODEID: the largest count)")
 
 
 def test_torchrun_wins_over_the_others(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -66,6 +88,37 @@ def test_torchrun_wins_over_the_others(monkeypatch: pytest.MonkeyPatch, caplog: 
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "8")
     b, _ = _auto_budget(caplog)
     assert b.local_world_size == 2 and b.limit == int(b.mem_available * 0.8) // 2
+
+
+def test_srun_then_torchrun_counts_torchruns_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """srun starts one torchrun per node, which starts 8 ranks: Slurm's allocation says 1 task per node, the launcher
+    that started this process says 8; the launcher wins."""
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "1")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1(x4)")
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert _before_and_inside_a_scope() == (8, 8)
+    assert hsoffload.host.local_size() == (8, "LOCAL_WORLD_SIZE")
+
+
+def test_the_explicit_override_wins_and_a_bad_one_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("HSOFFLOAD_LOCAL_WORLD_SIZE", "3")
+    assert _before_and_inside_a_scope() == (3, 3)
+    monkeypatch.setenv("HSOFFLOAD_LOCAL_WORLD_SIZE", "eight")
+    with pytest.raises(ValueError, match="HSOFFLOAD_LOCAL_WORLD_SIZE must be the number of ranks on this node.*'eight'"):
+        hsoffload.host.local_size()
+    with pytest.raises(ValueError, match="HSOFFLOAD_LOCAL_WORLD_SIZE"):  # at scope entry, not in a pack
+        hsoffload.set_host_budget("auto")
+        with OffloadScope(max_host_bytes="auto", **CPU):
+            pass
+    monkeypatch.delenv("HSOFFLOAD_LOCAL_WORLD_SIZE")
+
+
+def test_a_malformed_launcher_variable_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+    assert hsoffload.host.local_size() == (2, "SLURM_NTASKS_PER_NODE")
 
 
 @pytest.mark.parametrize("rank_var", ["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"])

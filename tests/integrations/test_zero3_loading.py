@@ -9,6 +9,14 @@ all-gather (stock: at least twice the model's bytes, counted independently aroun
 received exactly its partition of every parameter, twice per load, and read every checkpoint entry as meta (shape
 and dtype only); rank 0 received nothing, read everything and sent every parameter.
 Rank 1's peak RSS is reported, not asserted (one load per process is what measures it: docs/usage.md's command).
+Every patched load runs with `patch(verify=True)`: each partition's checksum is compared with rank 0's slice of the
+values it scattered (counted: twice per parameter and load, on both ranks).
+
+Failing together (issue 33 item 3), in the same launch after those loads: a checkpoint whose MLP shapes do not fit
+the model's config, and a failure on rank 0 only (its node-local copy of the checkpoint has a truncated shard) make
+both ranks raise within seconds, with rank 0's message (stock: rank 0 raises, rank 1 waits in its next collective
+until the gloo timeout); `ignore_mismatched_sizes=True` loads the same mismatched checkpoint on both ranks; a byte
+flipped in rank 1's received partition (the module's test hook) makes both ranks raise naming that parameter.
 
 In process: the op's decision table, its argument checks and opcheck.
 """
@@ -31,7 +39,9 @@ from support.launch import torchrun_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "zero3_loading_worker.py"
-PLAN = "from_config:patched,from_config:stock,from_pretrained:patched,from_pretrained:stock"
+PLAN = ("from_config:patched,from_config:stock,from_pretrained:patched,from_pretrained:stock,"
+        "mismatch:patched,rank0_read_error:patched,mismatch_ignored:patched,verify_detects:patched")
+COLLECTIVE_TIMEOUT_S = 120  # the worker's init_distributed timeout: where a rank left waiting would give up
 
 
 def _deepspeed_missing() -> str:
@@ -48,7 +58,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[tuple[str, 
     out = tmp_path_factory.mktemp("zero3_loading")
     env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           "--out-dir", str(out), "--plan", PLAN, "--warmup"]
+           "--out-dir", str(out), "--plan", PLAN, "--warmup", "--verify"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     results: dict[int, dict[tuple[str, bool], dict[str, Any]]] = {}
@@ -62,6 +72,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[tuple[str, 
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     print(f"\nzero3 loading launch: {time.perf_counter() - t0:.1f} s")
     return results
+
+
+FAIL_WITHIN_S = 20.0  # a failed load ends on every rank in about a second; a rank left waiting takes the timeout
 
 
 KINDS = ("from_config", "from_pretrained")
@@ -109,6 +122,96 @@ def test_rank0_is_the_source(runs: dict[int, Any], kind: str) -> None:
     n = runs[0][(kind, True)]["params"]
     assert s["received_params"] == 0 and s["skipped_full_bytes"] == 0 and s["meta_read_tensors"] == 0
     assert s["scattered_params"] == n and s["gathered_params"] == n
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("kind", KINDS)
+def test_verify_compared_every_partition(runs: dict[int, Any], kind: str) -> None:
+    for rank in (0, 1):
+        r = runs[rank][(kind, True)]
+        s, n = r["stats"], r["params"]
+        assert s["verified_params"] == 2 * n  # zero.Init's scatter, then the gathered init / load's
+        assert s["status_checks"] > 0
+        assert s["checked_tensors"] == (n if kind == "from_pretrained" else 0)
+
+
+def _failed(runs: dict[int, Any], kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    r0, r1 = runs[0][(kind, True)], runs[1][(kind, True)]
+    for r in (r0, r1):
+        assert r["raised"] is not None, f"rank {r['rank']} loaded the {kind} case without an error"
+        assert r["seconds"] < FAIL_WITHIN_S, (kind, r["rank"], r["seconds"])  # not a collective's timeout
+    print(f"\n{kind}: rank 0 raised after {r0['seconds']:.2f} s, rank 1 after {r1['seconds']:.2f} s "
+          f"(collective timeout {COLLECTIVE_TIMEOUT_S} s)")
+    return r0["raised"], r1["raised"]
+
+
+@needs_deepspeed
+def test_mismatched_checkpoint_raises_the_same_error_on_every_rank(runs: dict[int, Any]) -> None:
+    e0, e1 = _failed(runs, "mismatch")
+    assert e0 == e1  # each rank found it itself, from the names, shapes and dtypes it holds
+    assert e0["type"] == "ValueError"
+    m = e0["message"]
+    assert "size mismatch for model.layers.0.mlp.gate_proj.weight" in m
+    assert "(768, 256)" in m and "(384, 256)" in m  # checkpoint and model (ds_shape) shapes
+    assert "12 of" in m and "ignore_mismatched_sizes=True" in m and "config it was saved with" in m
+
+
+@needs_deepspeed
+def test_a_failure_on_rank0_only_raises_on_every_rank(runs: dict[int, Any]) -> None:
+    e0, e1 = _failed(runs, "rank0_read_error")
+    assert e0["type"] == "SafetensorError" and "incomplete metadata" in e0["message"]  # rank 0's own read
+    assert e1["type"] == "Zero3LoadError"
+    assert "rank 0 failed while reading" in e1["message"]
+    assert f"{e0['type']}: {e0['message']}" in e1["message"]  # one message: rank 0's, quoted
+
+
+@needs_deepspeed
+def test_ignore_mismatched_sizes_initialises_them_on_every_rank(runs: dict[int, Any]) -> None:
+    r0, r1 = runs[0][("mismatch_ignored", True)], runs[1][("mismatch_ignored", True)]
+    assert r0["raised"] is None and r1["raised"] is None, (r0["raised"], r1["raised"])
+    assert r0["digest"] == r1["digest"] and r0["loss"] == r1["loss"] and r0["loss"] == r0["loss"]  # not NaN
+    assert r1["stats"]["checked_tensors"] == r1["params"]
+    assert r1["stats"]["received_params"] == r1["params"] + r1["params"] - 12  # zero.Init + the 27 it loaded
+
+
+@needs_deepspeed
+def test_verify_names_the_corrupted_partition_on_every_rank(runs: dict[int, Any]) -> None:
+    e0, e1 = _failed(runs, "verify_detects")
+    assert e0["type"] == "RuntimeError" and e1["type"] == "Zero3LoadError"
+    assert "model.layers.1.self_attn.q_proj.weight" in e0["message"] and "group rank 1" in e0["message"]
+    assert e0["message"] in e1["message"] and "rank 0 failed" in e1["message"]
+
+
+def test_checkpoint_check_names_a_dtype_that_a_cast_would_change() -> None:
+    """In process, without ranks: the check every rank runs before loading (a plain module's own shapes)."""
+    from hsoffload.zero3_loading import _check_checkpoint
+
+    model = torch.nn.Linear(4, 3)
+    state, _, mismatched = _check_checkpoint(model, {"weight": torch.zeros(3, 4, dtype=torch.bfloat16)}, None)
+    assert mismatched == [] and "weight" in state  # float to float: transformers casts, as it always did
+    with pytest.raises(ValueError, match=r"dtype mismatch for weight: the checkpoint holds torch.int8 \(3, 4\)"):
+        _check_checkpoint(model, {"weight": torch.zeros(3, 4, dtype=torch.int8)}, None)
+    with pytest.raises(ValueError, match=r"size mismatch for bias: .*\(5,\).*\(3,\).*ignore_mismatched_sizes"):
+        _check_checkpoint(model, {"bias": torch.zeros(5)}, None)
+
+
+def test_checksum_sees_moved_bytes() -> None:
+    from hsoffload.zero3_loading import _checksum
+
+    x = torch.arange(10, dtype=torch.float32)
+    assert torch.equal(_checksum(x), _checksum(x.clone()))
+    assert not torch.equal(_checksum(x), _checksum(x.flip(0)))  # same bytes, other places
+    nan = torch.tensor([float("nan"), 1.0])
+    assert torch.equal(_checksum(nan), _checksum(nan.clone()))
+
+
+@needs_deepspeed
+def test_patch_rejects_a_verify_that_is_not_a_bool() -> None:
+    import hsoffload.zero3_loading as z3
+
+    with pytest.raises(TypeError, match="verify must be True or False, got 'yes'"):
+        z3.patch(verify="yes")  # type: ignore[arg-type]
+    assert not z3.is_patched()
 
 
 # --------------------------------------------------------------------------- the op

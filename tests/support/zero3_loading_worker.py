@@ -8,6 +8,16 @@ stock or with `hsoffload.zero3_loading.patch()`. Per load and rank: peak RSS abo
 this rank received through full-size broadcasts / all-gathers (an independent counter around torch.distributed), the
 patch's counters, a digest of every full parameter and buffer, and one forward loss through a DeepSpeed engine.
 
+Failing loads (kinds `mismatch`, `mismatch_ignored`, `rank0_read_error`, patched only, run after the others in the
+same process): a checkpoint whose MLP shapes do not fit the model's config (without and with
+`ignore_mismatched_sizes=True`), and a failure on rank 0 only -- rank 0 loads a copy of the checkpoint with one
+shard truncated (as a node-local copy can be), rank 1 the intact one, so only rank 0's read raises; and
+`verify_detects` (with `--verify`): rank 1 flips one byte of the partition of CORRUPTED it received (the module's
+test hook), which `verify=True` must report on every rank. Per rank: the exception's type and text, and the seconds
+from the call to the raise.
+
+`--verify` patches with `patch(verify=True)` (every partition's checksum compared with rank 0's slice).
+
 RSS only means something for the first load of a process: a later load reuses memory an earlier one freed (glibc
 keeps it) without raising the peak. The measurement command in docs/usage.md runs one load per launch.
 """
@@ -24,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -43,6 +54,9 @@ DS_CONFIG: dict[str, Any] = {
 
 
 DTYPE = torch.float32  # --bf16: torch.bfloat16
+VERIFY = False  # --verify
+FAILING = ("mismatch", "mismatch_ignored", "rank0_read_error", "verify_detects")
+CORRUPTED = "model.layers.1.self_attn.q_proj.weight"  # verify_detects: rank 1 flips one byte of its partition
 
 
 def model_config(size: str) -> Any:
@@ -160,7 +174,7 @@ def load(kind: str, patched: bool, config: Any, path: str) -> dict[str, Any]:
     import hsoffload.zero3_loading as z3
 
     if patched:
-        z3.patch()
+        z3.patch(verify=VERIFY)
     else:
         z3.unpatch()
     z3.reset_stats()
@@ -201,6 +215,66 @@ def load(kind: str, patched: bool, config: Any, path: str) -> dict[str, Any]:
     return result
 
 
+def truncated_copy(path: str, out_dir: str) -> str:
+    """A copy of the checkpoint at `path` whose last shard lost its last 64 bytes (rank 0 only reads it)."""
+    bad = os.path.join(out_dir, "checkpoint-truncated")
+    if not os.path.isdir(bad):
+        shutil.copytree(path, bad)
+        shard = sorted(f for f in os.listdir(bad) if f.endswith(".safetensors"))[-1]
+        with open(os.path.join(bad, shard), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(bad, shard)) - 64)
+    return bad
+
+
+def load_failing(kind: str, config: Any, path: str, out_dir: str) -> dict[str, Any]:
+    """One patched from_pretrained that must fail on every rank (or, `mismatch_ignored`, load on every rank)."""
+    import copy
+
+    import transformers
+
+    import hsoffload.zero3_loading as z3
+
+    z3.patch(verify=VERIFY)
+    z3.reset_stats()
+    gc.collect()
+    rank = dist.get_rank()
+    kwargs: dict[str, Any] = {}
+    load_path = path
+    if kind in ("mismatch", "mismatch_ignored"):
+        bad = copy.deepcopy(config)
+        bad.intermediate_size = config.intermediate_size // 2  # every layer's gate/up/down_proj differs
+        kwargs["config"] = bad
+        kwargs["ignore_mismatched_sizes"] = kind == "mismatch_ignored"
+    elif kind == "rank0_read_error" and rank == 0:
+        load_path = truncated_copy(path, out_dir)
+    elif kind == "verify_detects" and rank == 1:
+        def flip(label: str, partition: torch.Tensor) -> None:
+            if label.startswith(CORRUPTED + " "):
+                partition.view(torch.uint8)[0] ^= 1
+
+        z3._TEST_HOOKS["after_receive"] = flip
+    dist.barrier()
+    t0 = time.perf_counter()
+    model = None
+    raised = None
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(load_path, dtype=DTYPE, **kwargs)
+    except Exception as e:  # what the test asserts: the same error on every rank
+        raised = {"type": type(e).__name__, "message": str(e)}
+    seconds = time.perf_counter() - t0
+    z3._TEST_HOOKS["after_receive"] = None
+    result: dict[str, Any] = {"kind": kind, "patched": True, "rank": rank, "raised": raised, "seconds": seconds,
+                              "stats": dataclasses.asdict(z3.stats())}
+    z3.unpatch()
+    if model is not None:
+        result["params"] = sum(1 for _ in model.parameters())
+        result["digest"] = digest(model)
+        result["loss"] = forward_loss(model, model.config.vocab_size)
+        del model
+    gc.collect()
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out-dir", required=True)
@@ -208,13 +282,15 @@ def main() -> int:
     p.add_argument("--size", default="small", choices=("small", "measured"))
     p.add_argument("--checkpoint-dir", default="")
     p.add_argument("--bf16", action="store_true", help="DeepSpeed bf16 and the model loaded in bf16")
+    p.add_argument("--verify", action="store_true", help="patch(verify=True): compare every partition's checksum")
     p.add_argument("--warmup", action="store_true",
                    help="load a tiny model both ways first (imports, DeepSpeed and transformers set-up), so "
                         "the first measured load's RSS is the model's and not the code's")
     a = p.parse_args()
+    global DTYPE, VERIFY
+    VERIFY = a.verify
     if a.bf16:
         DS_CONFIG["bf16"] = {"enabled": True}
-        global DTYPE
         DTYPE = torch.bfloat16
     faulthandler.enable()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -228,7 +304,7 @@ def main() -> int:
     config = model_config(a.size)
     steps = [tuple(s.split(":")) for s in a.plan.split(",") if s]
     path = a.checkpoint_dir or os.path.join(a.out_dir, f"checkpoint-{a.size}")
-    if any(kind == "from_pretrained" for kind, _ in steps) and rank == 0 and not os.path.isdir(path):
+    if any(kind != "from_config" for kind, _ in steps) and rank == 0 and not os.path.isdir(path):
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(
             path, max_shard_size="30MB" if a.size == "measured" else "2MB")
@@ -249,7 +325,10 @@ def main() -> int:
     rc = 0
     for kind, variant in steps:
         try:
-            results.append(load(kind, variant == "patched", config, path))
+            if kind in FAILING:
+                results.append(load_failing(kind, config, path, a.out_dir))
+            else:
+                results.append(load(kind, variant == "patched", config, path))
         except Exception:  # recorded; the test fails on it with the traceback
             results.append({"kind": kind, "patched": variant == "patched", "error": traceback.format_exc()})
             rc = 1

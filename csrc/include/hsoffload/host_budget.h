@@ -4,7 +4,7 @@
 // A pack that would exceed it goes to the spill tier (when the scope has one)
 // or stays on the device; it never allocates host memory beyond the bound.
 // The default ("auto") is 80 % of the node's MemAvailable at first use,
-// divided by LOCAL_WORLD_SIZE (the ranks of one node share its RAM).
+// divided by the ranks on this node (local_size.h: the ranks of one node share its RAM).
 //
 // Thread-safety: every method may be called from any thread; one mutex guards
 // the limit and the counters; waiters sleep on one condition variable, woken
@@ -26,7 +26,7 @@ namespace hsoffload {
 // What "auto" was computed from, for the log line that reports it.
 struct AutoBudget {
   int64_t mem_available = 0;   // bytes, /proc/meminfo MemAvailable (0: unknown; then physical memory is used)
-  int64_t local_world_size = 1;  // LOCAL_WORLD_SIZE, 1 when unset or invalid
+  int64_t local_world_size = 1;  // local_size(): the ranks on this node, 1 when no variable names them
   int64_t limit = 0;           // 0.8 * mem_available / local_world_size
 };
 // Reads the figures now.

@@ -15,6 +15,7 @@
 
 #include "hsoffload/host_budget.h"
 #include "hsoffload/host_pool.h"
+#include "hsoffload/save_site.h"
 #include "hsoffload/tensor_kind.h"
 
 #include <ATen/core/Tensor.h>
@@ -134,28 +135,33 @@ struct SaveFootprint {
   bool contains(const SaveFootprint& other) const;
 };
 
-// Which later saves may share a record's copy (docs/design.md, "Copy sharing"). A copy may span bytes that no save
-// referenced (copy_span copies a whole storage for a view of most of it), and a write that bypasses the version
-// counter (`.data`, a kernel writing through a raw pointer into a preallocated buffer) between the copy and a later
-// save of those bytes is invisible to the engine: sharing then would restore stale bytes. So a later save shares
-// only (a) elements an earlier save of the record referenced -- autograd's contract (a saved tensor is not modified
-// after its save) holds for them, and a version-bumping write makes a new copy anyway -- or (b) views made by the
-// same autograd node as the record's first save while that node lives: the outputs of one split/chunk/unbind (a
-// fused gate/up or q/k/v), made together from one base, whose storage the record's weak reference proves alive.
+// Which later saves may share a record's copy (docs/design.md, "Copy sharing"). The contract, as every copy-at-save
+// offloader gives it (`save_on_cpu`): each saved tensor restores the bytes it had at its own save. A write that
+// bypasses the version counter (`.data`, a kernel writing through a raw pointer into a preallocated buffer) is
+// invisible to the engine; between two saves it makes the second save's bytes differ from the copy the first save
+// made, and sharing that copy would restore stale bytes: a silent wrong gradient. So by default a later save shares
+// the copy only when it is made at the first save's site (SaveSite: by the same autograd node, with no code
+// between the two saves that could write anything). With `share_copies` (opt-in, OffloadConfig) a later save also
+// shares (a) elements an earlier save of the record referenced -- a tensor saved by several ops, as the input q, k
+// and v projections share -- or (b) views made by the same autograd node as the record's first save while that node
+// lives (the outputs of one split/chunk/unbind: a fused gate/up or q/k/v); there a version-bypassing write between
+// the saves restores the first save's bytes.
 //
 // Thread-safety: none of its own; written and read at pack, under the owning scope's mutex.
 class SharePolicy {
  public:
-  // The record's first save: its footprint and the node that made it.
-  void first(SaveFootprint save, ProducerRef producer);
-  // True if a save with this footprint, made by `producer` (null: none), may share the record's copy. (M24)
-  bool admits(const SaveFootprint& save, const void* producer) const;
+  // The record's first save: its footprint, the node that made the saved tensor, and where it was saved.
+  void first(SaveFootprint save, ProducerRef producer, SaveSite site);
+  // True if a save with this footprint, made by `producer` (null: none) at `site`, may share the record's copy;
+  // `share_copies`: the opt-in rule (a) and (b) above applies too. (M24)
+  bool admits(const SaveFootprint& save, const void* producer, const SaveSite& site, bool share_copies) const;
   // A later save now shares the record: its elements count as referenced.
   void add(SaveFootprint save);
 
  private:
   std::vector<SaveFootprint> saves_;
   ProducerRef producer_;
+  SaveSite site_;
 };
 
 // One host copy of a span of one storage. Shared by every handle whose tensor lies inside that span (tensors saved

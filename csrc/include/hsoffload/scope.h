@@ -58,6 +58,12 @@ struct OffloadConfig {
   // past it, or with 0, the tensor stays on the device (kept_on_device_tensors). The wait counts in wait_ns.
   int64_t spill_wait_ms = 30000;
   static constexpr int64_t kMaxSpillWaitMs = 3600 * 1000;
+  // Let a later save share an earlier save's host copy beyond the saves of one node: a tensor several ops save (the
+  // input of q, k and v projections), a view inside a saved tensor, the chunks of one split (SharePolicy,
+  // records.h). Fewer copies and host bytes; but a write that bypasses the version counter (`.data`, a kernel
+  // writing through a raw pointer) between two saves then restores the first save's bytes. Off: each save restores
+  // the bytes it had at its own save.
+  bool share_copies = false;
 
   void validate() const;
 };

@@ -18,6 +18,8 @@ In the Axolotl YAML::
     hsoffload_spill_prefetch_depth: 2     # spilled tensors read back ahead of their use
     hsoffload_spill_wait_ms: 30000        # a pack's longest wait for host room when the disk lags (0: keep on device)
     hsoffload_use_streams: true           # copies on side streams
+    hsoffload_share_copies: false         # true: saves of one tensor by several ops share one host copy (fewer
+                                          # bytes; a .data write between the saves then restores the first's bytes)
     hsoffload_offload_cpu_tensors: false  # also copy CPU tensors (CPU smoke runs; no benefit otherwise)
     hsoffload_policy: hidden_states       # or sac (plus what selective checkpointing keeps) or all (every saved
                                           # activation; works without gradient_checkpointing)
@@ -84,6 +86,7 @@ KEYS: dict[str, tuple[type, str]] = {
     "hsoffload_spill_prefetch_depth": (int, "an int >= 0"),
     "hsoffload_spill_wait_ms": (int, "an int >= 0 (milliseconds)"),
     "hsoffload_use_streams": (bool, "true or false"),
+    "hsoffload_share_copies": (bool, "true or false"),
     "hsoffload_offload_cpu_tensors": (bool, "true or false"),
     "hsoffload_policy": (str, "hidden_states, sac or all"),
     "hsoffload_keep_last_layers": (int, "an int >= 0"),
@@ -107,6 +110,7 @@ try:
         hsoffload_spill_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
         hsoffload_spill_wait_ms: Optional[StrictInt] = Field(default=None, ge=0)
         hsoffload_use_streams: Optional[StrictBool] = None
+        hsoffload_share_copies: Optional[StrictBool] = None
         hsoffload_offload_cpu_tensors: Optional[StrictBool] = None
         hsoffload_policy: Optional[Literal["hidden_states", "sac", "all"]] = None
         hsoffload_keep_last_layers: Optional[StrictInt] = Field(default=None, ge=0)
@@ -232,6 +236,7 @@ def offload_config(cfg: Any) -> OffloadConfig:
         "prefetch_depth": _cfg_get(cfg, "hsoffload_prefetch_depth"),
         "max_pool_bytes": _cfg_get(cfg, "hsoffload_max_pool_bytes"),
         "use_streams": _cfg_get(cfg, "hsoffload_use_streams"),
+        "share_copies": _cfg_get(cfg, "hsoffload_share_copies"),
         "offload_cpu_tensors": _cfg_get(cfg, "hsoffload_offload_cpu_tensors"),
         "max_host_bytes": _cfg_get(cfg, "hsoffload_max_host_bytes"),
         "reserve_host_bytes": _cfg_get(cfg, "hsoffload_reserve_host_bytes"),

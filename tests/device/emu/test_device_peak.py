@@ -45,6 +45,8 @@ transformers.masking_utils.AttentionMaskInterface.register(FUSED, transformers.m
 
 SEQS = {"math": (256, 512, 1024), "flash": (1024, 2048, 4096)}
 MODES = ("checkpointing", "hidden_states", "all")
+# "all_shared": policy all with share_copies=True (one copy for a tensor several ops save; the default copies per save)
+NO_CHECKPOINTING = ("all", "all_shared")
 TOLERANCE = 0.10
 _errors: dict[str, float] = {}
 
@@ -73,7 +75,9 @@ def _scope(model: torch.nn.Module, mode: str) -> Iterator[Any]:
     if mode == "checkpointing":
         yield None
     else:
-        with hsoffload.offload_hidden_states(model, policy=mode, min_offload_size=0) as scope:
+        policy = "all" if mode == "all_shared" else mode
+        with hsoffload.offload_hidden_states(model, policy=policy, min_offload_size=0,
+                                             share_copies=mode == "all_shared") as scope:
             yield scope
 
 
@@ -84,7 +88,7 @@ def _measure(family: str, seq: int, mode: str, dev: torch.device, dtype: str, at
     # transformers' own choice here is SDPA (the planner's --attn math on this device); or the fused kernel
     assert model.config._attn_implementation == ("sdpa" if attn == "math" else FUSED)
     model.train()
-    if mode != "all":
+    if mode not in NO_CHECKPOINTING:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(3, 512, (1, seq)).to(dev)
@@ -110,17 +114,18 @@ def _measure(family: str, seq: int, mode: str, dev: torch.device, dtype: str, at
 def _predict(family: str, seq: int, mode: str, tmp_path: Path, dtype: str, attn: str) -> dict[str, Any]:
     _config(family).save_pretrained(tmp_path)
     return plan.plan(plan.PlanInput(
-        config=str(tmp_path), seq_len=seq, dtype=dtype, attn=attn, checkpointing=mode != "all",
+        config=str(tmp_path), seq_len=seq, dtype=dtype, attn=attn, checkpointing=mode not in NO_CHECKPOINTING,
         optimizer="adamw_param_dtype",  # torch's AdamW keeps its moments in the parameters' dtype
-        policy="all" if mode == "all" else "hidden_states", host_ram_bytes=1 << 40, device_bytes=1 << 40,
+        policy="all" if mode in NO_CHECKPOINTING else "hidden_states", share_copies=mode == "all_shared",
+        host_ram_bytes=1 << 40, device_bytes=1 << 40,
         experts_implementation="eager",  # what _config asks of the MoE model (grouped_mm: tests/tooling/test_plan.py)
     ))
 
 
 @pytest.mark.parametrize("family, dtype, attn, modes", [
-    ("llama", "float32", "math", MODES), ("qwen3", "float32", "math", MODES), ("qwen3_moe", "float32", "math", MODES),
-    ("llama", "bfloat16", "math", MODES), ("qwen3_moe", "bfloat16", "math", MODES),
-    ("llama", "float32", "flash", MODES), ("qwen3", "bfloat16", "flash", MODES),
+    ("llama", "float32", "math", MODES + ("all_shared",)), ("qwen3", "float32", "math", MODES), ("qwen3_moe", "float32", "math", MODES),
+    ("llama", "bfloat16", "math", MODES + ("all_shared",)), ("qwen3_moe", "bfloat16", "math", MODES),
+    ("llama", "float32", "flash", MODES + ("all_shared",)), ("qwen3", "bfloat16", "flash", MODES),
     ("qwen3_moe", "float32", "flash", MODES),
 ])
 def test_planned_peak_matches_the_allocator(family: str, dtype: str, attn: str, modes: tuple[str, ...],

@@ -313,10 +313,12 @@ def test_tiny_llama_policies_bitwise_with_layer_prefetch(dev, policy, prefetch_d
         assert s.prefetch_hits > s.restored_tensors // 2, s
 
 
-def test_sibling_chunks_share_one_copy_and_one_restore(dev):
+@pytest.mark.parametrize("share_copies", [False, True])
+def test_sibling_chunks_share_one_copy_and_one_restore(dev, share_copies):
     """The two halves of a fused projection (gate/up, as Phi-3's gate_up_proj gives them) each span nearly all of
-    one storage without covering each other: they share one host copy of the whole storage (M21), and the one
-    restore of it serves both backward nodes, which run apart (M22). Bitwise equal to no offload."""
+    one storage without covering each other, and two ops save them (silu, mul). With share_copies they share one host
+    copy of the whole storage (M21), and the one restore of it serves both backward nodes, which run apart (M22). By
+    default each save restores its own bytes: a copy each. Bitwise equal to no offload either way."""
     torch.manual_seed(0)
     x0 = torch.randn(256, 64, device=dev, requires_grad=True)
     w0 = torch.randn(64, 512, device=dev, requires_grad=True)
@@ -331,34 +333,47 @@ def test_sibling_chunks_share_one_copy_and_one_restore(dev):
     ref = step(x0, w0, None)
     ref.backward()
     x, w = x0.detach().clone().requires_grad_(), w0.detach().clone().requires_grad_()
-    with OffloadScope(min_offload_size=0, use_streams=True) as scope:
+    with OffloadScope(min_offload_size=0, use_streams=True, share_copies=share_copies) as scope:
         loss = step(x, w, scope)
         loss.backward()
     hsemu.synchronize()
     assert torch.equal(loss, ref) and torch.equal(x.grad, x0.grad) and torch.equal(w.grad, w0.grad)
     s = scope.stats
     fused_bytes = 256 * 512 * 4
-    assert s.offloaded_tensors == 1 and s.offloaded_bytes == fused_bytes, s  # one copy, not two overlapping spans
-    assert s.restored_tensors == 2 and s.restored_bytes == fused_bytes, s  # one restore for both consumers
+    copies = 1 if share_copies else 2  # one copy, not two overlapping spans; by default one whole copy per save
+    assert s.offloaded_tensors == copies and s.offloaded_bytes == copies * fused_bytes, s
+    assert s.restored_tensors == 2 and s.restored_bytes == copies * fused_bytes, s  # one restore for both consumers
 
 
-def test_a_sibling_rewritten_between_saves_restores_its_new_bytes(dev):
-    """Two separate slices of one fused output: a's record copies the whole storage (M21), then b is rewritten
-    through `.data` (no version bump, as a kernel writing into a preallocated buffer does) before b is saved. b must
-    not share a's copy (M24): the gradients equal those without offload, bit for bit."""
+@pytest.mark.parametrize("case", ["slices", "chunk", "whole_then_half"])
+def test_a_rewrite_between_saves_restores_what_each_save_had(dev, case):
+    """One fused output saved twice, its second half rewritten through `.data` (no version bump, as a kernel writing
+    into a preallocated buffer does) between the saves: two separate slices, the halves of one chunk(), the whole
+    output then one half. Each save restores the bytes it had at its own save (M24), with every copy delayed: the
+    gradients equal `save_on_cpu`'s (which copies each saved tensor at its own save), bit for bit."""
     torch.manual_seed(0)
     x0 = torch.randn(64, 32, device=dev, requires_grad=True)
     w0 = torch.randn(32, 96, device=dev, requires_grad=True)
 
     def step(x: torch.Tensor, w: torch.Tensor, scope: OffloadScope | None) -> None:
         base = x @ w
-        a, b = base[:, :48], base[:, 48:]
-        ya = (scope.mark(a) if scope else a).sin()
-        b.data.mul_(2.0)
-        yb = (scope.mark(b) if scope else b).cos()
-        (ya.sum() + yb.sum()).backward()
+        if case == "whole_then_half":
+            first, second = base, base[:, 48:]
+        elif case == "chunk":
+            first, second = base.chunk(2, dim=1)
+        else:
+            first, second = base[:, :48], base[:, 48:]
+        y1 = (scope.mark(first) if scope else first).sin()
+        if case == "whole_then_half":
+            # The write lands in bytes the first save holds: the contract covers bytes not written after their own
+            # save (the copy runs on the side stream after it), so the first copy must have landed before it.
+            hsemu.synchronize()
+        second.data.mul_(2.0)
+        y2 = (scope.mark(second) if scope else second).cos()
+        (y1.sum() + y2.sum()).backward()
 
-    step(x0, w0, None)
+    with torch.autograd.graph.save_on_cpu():
+        step(x0, w0, None)
     x, w = x0.detach().clone().requires_grad_(), w0.detach().clone().requires_grad_()
     with OffloadScope(min_offload_size=0, use_streams=True) as scope:
         step(x, w, scope)
@@ -368,7 +383,8 @@ def test_a_sibling_rewritten_between_saves_restores_its_new_bytes(dev):
 
 
 def test_a_tensor_every_layer_saves_comes_back_with_the_last_layer(dev):
-    """Rotary cos/sin are computed once and saved by every decoder layer: one record, first packed in layer 0.
+    """Rotary cos/sin are computed once and saved by every decoder layer: with share_copies, one record, first packed
+    in layer 0 (by default each layer's saves copy their own).
     Backward of the last layer must bring back one layer ahead (prefetch_depth 1), not layer 0's group as well
     (M23); the device bytes held when the last layer's backward ends are what it proves."""
     model = hf_tiny.tiny_model("llama").to(dev)
@@ -384,7 +400,8 @@ def test_a_tensor_every_layer_saves_comes_back_with_the_last_layer(dev):
 
     handles = [layer.register_full_backward_hook(after_backward(i)) for i, layer in enumerate(layers)]
     try:
-        with hsoffload.offload_hidden_states(model, policy="all", min_offload_size=0, prefetch_depth=1) as scope:
+        with hsoffload.offload_hidden_states(model, policy="all", min_offload_size=0, prefetch_depth=1,
+                                             share_copies=True) as scope:  # one record for every layer's save
             loss = model(input_ids=ids, labels=ids).loss
             hsemu.synchronize()
             before_backward = hsemu.stats()["allocated_bytes"]
