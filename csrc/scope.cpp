@@ -89,6 +89,9 @@ SaveFootprint footprint(const at::Tensor& x, std::pair<int64_t, int64_t> span) {
   return save;
 }
 
+// Whether `device`'s current stream captures a graph: its held blocks stay held (KeepAlive::release_all).
+bool capturing_device(c10::Device device) { return stream_capturing(device); }
+
 void count(OffloadStats& local, int64_t OffloadStats::*field, int64_t n) {
   local.*field += n;
   std::lock_guard<std::mutex> lock(process_stats_mutex());
@@ -136,9 +139,7 @@ OffloadScope::OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool,
       streams_(config_.use_streams) {}
 
 OffloadScope::~OffloadScope() {
-  for (const ForeignSource& f : foreign_sources_) {
-    wait_event(*f.copied);  // a copy still reading memory its allocator does not know of: let it finish first
-  }
+  side_uses_.release_all(capturing_device);  // nothing else holds the scope now: no lock
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry_locked().erase(id_);
 }
@@ -187,7 +188,7 @@ void OffloadScope::exit() {
     active_ = false;
     marks_.clear();
     prune_locked();
-    reap_foreign_sources_locked();
+    side_uses_.release_all(capturing_device);  // whatever the events say: nothing outlives the scope (keepalive.h)
   }
   release_restores();  // at the latest here: nothing of a backward that ended early stays on the device
 }
@@ -226,7 +227,7 @@ void OffloadScope::maybe_prune_locked() {
 
 int64_t OffloadScope::tracked_state() const {
   std::lock_guard<std::mutex> lock(*mutex_);
-  return marks_.live() + records_.live();
+  return marks_.live() + records_.live() + static_cast<int64_t>(side_uses_.size());
 }
 
 OffloadStats OffloadScope::stats() const {
@@ -337,7 +338,9 @@ OffloadScope::HostNeed OffloadScope::pack_locked(const at::Tensor& x, bool captu
     TORCH_CHECK(error.empty(), error);
   }
   if (first) count(stats_, &OffloadStats::saved_tensors_seen, 1);
-  if (!foreign_sources_.empty()) reap_foreign_sources_locked();
+  if (!capturing && !side_uses_.empty() && x.defined() && !stream_capturing(x.device())) {
+    side_uses_.reap();  // no event query while a graph is captured
+  }
   Mark* mark = x.defined() && !marks_.empty() ? marks_.find(x) : nullptr;
   if (mark != nullptr) {
     if (!mark->counted) {
@@ -505,8 +508,7 @@ bool OffloadScope::reserve_or_keep(int64_t bytes, bool pinned) {
   {
     std::lock_guard<std::mutex> lock(*mutex_);
     if (host_alloc_failed_) {
-      count(stats_, &OffloadStats::host_alloc_failures, 1);
-      return false;  // failed earlier in this entry: do not pay for another failing pinned allocation per pack
+      return false;  // failed earlier in this entry: no other failing pinned allocation per pack (kept, not failed)
     }
   }
   std::string error;
@@ -541,19 +543,9 @@ void OffloadScope::copy_to_host_locked(OffloadRecord& record, const at::Tensor& 
   CopyLocation& copy = *record.copy;  // not shared yet: no lock needed
   copy.host = std::move(host);
   const at::Tensor src = byte_view(x.storage(), x.device(), record.source.begin, record.source.end);
-  copy.d2h_done = copy_to_host(src, copy.host, streams_);
-  if (copy.d2h_done && x.storage().allocator() != c10::GetAllocator(x.device().type())) {
-    // Memory the device's caching allocator does not own (DLPack, from_blob, a graph pool's raw pointer): telling
-    // that allocator of the side stream's use (I1) does not hold its owner back, so the storage itself stays
-    // referenced until the copy has read it.
-    foreign_sources_.push_back({copy.d2h_done, x.storage()});
-  }
-}
-
-void OffloadScope::reap_foreign_sources_locked() {
-  foreign_sources_.erase(std::remove_if(foreign_sources_.begin(), foreign_sources_.end(),
-                                        [](const ForeignSource& f) { return event_completed(*f.copied); }),
-                         foreign_sources_.end());
+  const int64_t held = side_uses_.holds();
+  copy.d2h_done = copy_to_host(src, copy.host, streams_, side_uses_);
+  count(stats_, &OffloadStats::side_use_holds, side_uses_.holds() - held);
 }
 
 void OffloadScope::spill_from_device_locked(OffloadRecord& record, const at::Tensor& x) {
@@ -689,7 +681,9 @@ void OffloadScope::copy_to_device_locked(OffloadRecord& record) {
     return;
   }
   // In host (also while a spill write reads the block: both only read it).
-  RestoreOrder order = copy_to_device(dev.bytes, copy.host, copy.d2h_done, streams_);
+  const int64_t held = side_uses_.holds();
+  RestoreOrder order = copy_to_device(dev.bytes, copy.host, copy.d2h_done, streams_, side_uses_);
+  count(stats_, &OffloadStats::side_use_holds, side_uses_.holds() - held);
   if (order.alloc_stream) restore.alloc_stream = order.alloc_stream;
   restore.h2d_done = std::move(order.done);
 }
@@ -752,6 +746,9 @@ int64_t OffloadScope::drop_prefetched_locked() {
       ++dropped;
     }
   }
+  // Dropped blocks whose copies still run are held (keepalive.h): ordered after their copies on the device, they go
+  // back to the allocator now, for the restore that needs the room.
+  side_uses_.release_all(capturing_device);
   count(stats_, &OffloadStats::prefetch_dropped, dropped);
   return dropped;
 }
@@ -799,6 +796,7 @@ void OffloadScope::release_restores() {
       restore.restored_once = false;  // the next backward over a retained graph is a new pass: same-group prefetch
     }
     prefetch_paused_ = false;  // a new pass tries prefetching again
+    side_uses_.release_all(capturing_device);  // the graph task queued all its work: a consumer's use is marked now
   }
 }
 
@@ -812,7 +810,7 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
               "forward that saves it and its backward (tensors packed during a capture stay on the device), or "
               "run this backward outside the capture.");
   std::unique_lock<std::mutex> lock(*record.mutex);
-  if (!foreign_sources_.empty()) reap_foreign_sources_locked();
+  side_uses_.reap();
   at::Tensor dev;
   std::shared_ptr<SpillRead> read;  // a spill read this unpack waits for, holding no lock
   if (auto alive = restore.restored.lock()) {
@@ -866,7 +864,9 @@ at::Tensor OffloadScope::restore(const SavedHandle& handle) {
   const auto ended = restore.round.unpacked(
       handle.round_, c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(dev.storage().unsafeGetStorageImpl()));
   if (restore.h2d_done) {
-    consume(dev, *restore.h2d_done, restore.alloc_stream);
+    const int64_t held = side_uses_.holds();
+    consume(dev, *restore.h2d_done, restore.alloc_stream, side_uses_);
+    count(stats_, &OffloadStats::side_use_holds, side_uses_.holds() - held);
   }
   count(stats_, &OffloadStats::restored_tensors, 1);
   at::Tensor out = at::empty({0}, at::TensorOptions().dtype(handle.dtype_).device(record.source.device));

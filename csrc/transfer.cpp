@@ -110,7 +110,8 @@ HostBlock acquire_host_block(HostPool& pool, int64_t bytes, c10::Device device, 
   return pool.acquire(bytes, /*pinned=*/!device.is_cpu() && pin_memory);
 }
 
-std::shared_ptr<c10::Event> copy_to_host(const at::Tensor& src, HostBlock& host, SideStreams& streams) {
+std::shared_ptr<c10::Event> copy_to_host(const at::Tensor& src, HostBlock& host, SideStreams& streams,
+                                         KeepAlive& uses) {
   if (src.is_cpu()) {
     copy_extents(Direction::kToHost, src, host, /*non_blocking=*/false);
     return nullptr;
@@ -127,14 +128,17 @@ std::shared_ptr<c10::Event> copy_to_host(const at::Tensor& src, HostBlock& host,
     c10::StreamGuard guard(copy_stream);
     copy_extents(Direction::kToHost, src, host, /*non_blocking=*/host.pinned());  // I4 (M12): no host sync
   }
-  if (copy_stream != compute) {
-    // I1 (M2): the device block must not be reused by the compute stream before the copy has read it: the
-    // allocator learns of the side-stream use, so dropping the last reference frees it without a host wait.
-    impl.recordDataPtrOnStream(src.storage().data_ptr(), copy_stream);
-  }
   auto d2h_done = std::make_shared<c10::Event>(src.device().type());
   d2h_done->record(copy_stream);
   host.record_use(d2h_done);  // I2 (M3): the pool lends the block again only after the copy wrote it
+  // Memory the device's caching allocator does not own (DLPack, from_blob, a graph pool's raw pointer) is not
+  // ordered by streams at all: held until the copy has read it, even when the copy runs on the compute stream.
+  const bool owned = src.storage().allocator() == c10::GetAllocator(src.device().type());
+  if (copy_stream != compute || !owned) {
+    // I1 (M2): the device block must not be reused before the copy has read it: held (never tagged in the
+    // allocator: keepalive.h) until d2h_done completes.
+    uses.hold(src.storage(), d2h_done, owned ? std::optional<c10::Stream>(compute) : std::nullopt);
+  }
   return d2h_done;
 }
 
@@ -160,7 +164,7 @@ DeviceSpan allocate_device_span(c10::Device device, int64_t bytes, int64_t align
 }
 
 RestoreOrder copy_to_device(const at::Tensor& dev, HostBlock& host, const std::shared_ptr<c10::Event>& d2h_done,
-                            SideStreams& streams) {
+                            SideStreams& streams, KeepAlive& uses) {
   RestoreOrder order;
   if (dev.is_cpu()) {
     copy_extents(Direction::kToDevice, dev, host, /*non_blocking=*/false);
@@ -182,23 +186,24 @@ RestoreOrder copy_to_device(const at::Tensor& dev, HostBlock& host, const std::s
     c10::StreamGuard guard(copy_stream);
     copy_extents(Direction::kToDevice, dev, host, /*non_blocking=*/host.pinned());  // I4 (M13): no host sync
   }
-  if (copy_stream != compute) {
-    impl.recordDataPtrOnStream(dev.storage().data_ptr(), copy_stream);  // I1 (M6): the copy writes it on H
-  }
   order.done = std::make_shared<c10::Event>(dev.device().type());
   order.done->record(copy_stream);
   host.record_use(order.done);  // I2 (M7): the pool lends the block again only after the copy read it
+  if (copy_stream != compute) {
+    uses.hold(dev.storage(), order.done, compute);  // I1 (M6, M25): the copy writes it on H; held, never tagged
+  }
   return order;
 }
 
-void consume(const at::Tensor& dev, const c10::Event& done, const std::optional<c10::Stream>& alloc_stream) {
+void consume(const at::Tensor& dev, const c10::Event& done, const std::optional<c10::Stream>& alloc_stream,
+             KeepAlive& uses) {
   // Every consumer waits for the copy on its own current stream (device-side wait, no host sync); a consumer on
-  // another stream than the one that allocated the block is made known to the allocator.
+  // another stream than the one that allocated the block keeps it held until its graph task has queued its work.
   c10::impl::VirtualGuardImpl impl(dev.device().type());
   const c10::Stream consumer = impl.getStream(dev.device());
   done.block(consumer);  // I3 (M8): the consumer reads the restored bytes only after the copy wrote them
   if (alloc_stream && *alloc_stream != consumer) {
-    impl.recordDataPtrOnStream(dev.storage().data_ptr(), consumer);  // I1 (M9): a foreign consumer's use
+    uses.hold_until_release(dev.storage(), consumer, *alloc_stream);  // I1 (M9): a foreign consumer's use
   }
 }
 

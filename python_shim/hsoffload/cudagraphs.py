@@ -9,8 +9,11 @@ How a tensor is recognised, cheapest first:
 1. `torch._C._is_cached_tensor`: the outputs a tree hands out on replay are registered as cached tensors (only
    cudagraph_trees registers any).
 2. The storage's address among the outputs recorded on the tree's current path (`current_node._path_from_root`,
-   each node's `outputs_weakrefs`): warm-up and recording runs, and outputs that views alias. The address set is
-   cached per node and rebuilt when the path records more outputs.
+   each node's `outputs_weakrefs`): warm-up and recording runs, and outputs that views alias. The path is cached per
+   node (a node's path from the root never changes), the address set with it, rebuilt only when the path records
+   more outputs.
+The pack hook asks only about tensors the engine would offload (marked ones) and only once inductor's trees are
+imported (`trees_loaded`), so a step without reduce-overhead compile pays nothing here.
 3. Internals renamed in a later torch: torch's own per-node `_is_cuda_graph_recorded_tensor`; else not owned (the
    tensor is offloaded as before: what a torch without trees would do).
 Never imports inductor: without `torch._inductor.cudagraph_trees` loaded, no tree exists.
@@ -27,8 +30,16 @@ from typing import Any
 import torch
 
 _TREES = "torch._inductor.cudagraph_trees"
-# tree node -> (output slots on its path when computed, storage addresses of those outputs)
-_path_addresses: "weakref.WeakKeyDictionary[Any, tuple[int, frozenset[int]]]" = weakref.WeakKeyDictionary()
+# tree node -> (weak references to its path from the root, output slots on that path when computed, storage addresses
+# of those outputs); weak, so that the entry does not keep its own key alive
+_path_addresses: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], int, frozenset[int]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def trees_loaded() -> bool:
+    """True once inductor's CUDA-graph trees are imported (before that no tree exists to own memory)."""
+    return _TREES in sys.modules
 
 
 def owned_by_cudagraph_tree(t: torch.Tensor) -> bool:
@@ -60,11 +71,14 @@ def in_tree_memory(t: torch.Tensor, device_index: int) -> bool:
 
 
 def _addresses_on_path(node: Any) -> frozenset[int]:
-    path = list(node._path_from_root)
-    slots = sum(len(n.outputs_weakrefs) for n in path)
     cached = _path_addresses.get(node)
-    if cached is not None and cached[0] == slots:
-        return cached[1]
+    path = [r() for r in cached[0]] if cached is not None else []
+    if cached is None or any(n is None for n in path):
+        path = list(node._path_from_root)
+        cached = None
+    slots = sum(len(n.outputs_weakrefs) for n in path)
+    if cached is not None and cached[1] == slots:
+        return cached[2]
     addresses = frozenset(ref.data_ptr() for n in path for ref in n.outputs_weakrefs if ref is not None)
-    _path_addresses[node] = (slots, addresses)
+    _path_addresses[node] = (tuple(weakref.ref(n) for n in path), slots, addresses)
     return addresses

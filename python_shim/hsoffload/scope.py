@@ -21,7 +21,7 @@ import torch
 from . import capture, current, diagnostics
 from ._logging import log_once
 from .config import OffloadConfig
-from .cudagraphs import owned_by_cudagraph_tree
+from .cudagraphs import owned_by_cudagraph_tree, trees_loaded
 from .current import current_scope
 from .graph_tasks import GraphTaskWatch
 from .host import apply_host_budget, budget_stats, reserve_host
@@ -122,6 +122,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         bump = self._passthrough.bump
         sac_state = sac.state
         owned_by_tree = owned_by_cudagraph_tree
+        is_marked = engine.is_marked
         pack_sac_kept = self._pack_sac_kept
 
         def pack_hook(x: torch.Tensor) -> Any:
@@ -137,8 +138,10 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             if type(x) in plain:
                 if select is not None and type(x) is torch.Tensor and select(x):
                     engine.mark(x)
-                # A CUDA-graph tree's memory (reduce-overhead compile) stays where it is, as under capture (counted).
-                return pack_op(x, scope_id, owned_by_tree(x))
+                # A CUDA-graph tree's memory (reduce-overhead compile) stays where it is, as under capture (counted);
+                # asked only of tensors the engine would offload, once inductor's trees exist.
+                in_tree = trees_loaded() and is_marked(x) and owned_by_tree(x)
+                return pack_op(x, scope_id, in_tree)
             return _pack_subclass(engine, x, scope_id)
 
         watch = GraphTaskWatch(engine.release_restores)
@@ -248,14 +251,14 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         if self.config.max_pool_bytes is not None:
             # The host pool is process-wide: the bound applies from this entry on, to every scope.
             torch.classes.hsoffload.OffloadScope.set_pool_limit(self.config.max_pool_bytes)
-        if self.config.reserve_host_bytes:
-            reserve_host(self.config.reserve_host_bytes)  # a no-op once the pool has that much free
         self._scope.enter()
         self._graph_tasks.reset()  # a backward of an earlier entry that raised left its task open
         try:
             self.layer_tracker.reset_entry()  # only once the engine accepted the entry (it refuses a re-entry)
             self._refresh_parameter_storages()
-            apply_host_budget(self.config.max_host_bytes)
+            apply_host_budget(self.config.max_host_bytes)  # first: the reservation pins under this entry's limit
+            if self.config.reserve_host_bytes:
+                reserve_host(self.config.reserve_host_bytes)  # a no-op once the pool has that much free
             super().__enter__()
         except BaseException:
             self._scope.exit()

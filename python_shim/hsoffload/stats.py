@@ -38,8 +38,9 @@ class OffloadStats:
     captured_passthrough: int = 0  # marked tensors saved during a graph capture (CUDA graphs): left in place
     prefetch_oom: int = 0  # prefetches not started for lack of device memory (the unpack copied on demand)
     prefetch_dropped: int = 0  # prefetched blocks given back after an out-of-memory (a prefetch or a needed restore)
-    host_alloc_failures: int = 0  # host (pinned) allocations that failed at pack: the tensor stayed on the device
+    host_alloc_failures: int = 0  # host (pinned) allocations that failed at pack (later packs of the entry: kept only)
     released_restores: int = 0  # prefetched or held restores given back when a graph task ended early / at exit
+    side_use_holds: int = 0  # device blocks held until a side stream's copy of them completed (never tagged)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,6 +65,63 @@ def test_a_device_side_assert_after_a_packed_forward_is_the_users_error_not_a_te
     assert result.returncode == 0 and "handled 4" in result.stdout, result.stdout + result.stderr[-3000:]
 
 
+_ASSERT_IN_LOSS_SCRIPT = """
+import gc, sys
+sys.path.insert(0, {tests!r})
+import torch, hsoffload
+from hsoffload import OffloadScope
+from support.device_model import LinearStack
+offload = sys.argv[1] == "offload"
+torch.manual_seed(0)
+model = LinearStack(2048, 6).cuda()
+x = torch.randn(4096, 2048, device="cuda")
+scope = OffloadScope(min_offload_size=0, prefetch_depth=2) if offload else None
+if scope is not None:
+    scope.__enter__()
+h = model.blocks[0](x)
+for block in model.blocks[1:]:
+    h = torch.utils.checkpoint.checkpoint(lambda t, b=block: torch.tanh(b(t)),
+                                          torch.ops.hsoffload.mark_hidden_state(h), use_reentrant=False)
+labels = torch.full((h.shape[0],), 10**6, device="cuda")  # out of range: the loss kernel asserts on the device
+loss = torch.nn.functional.cross_entropy(h, labels)
+error = None
+try:
+    loss.backward()  # no synchronisation since the assert: backward restores blocks before a call fails
+    torch.cuda.synchronize()
+except RuntimeError as exc:
+    error = str(exc).splitlines()[0]
+del loss, h; gc.collect()
+if scope is not None:
+    scope.__exit__(None, None, None)
+print("error:", error)
+print("tracked:", int(scope._scope.tracked_state()) if scope is not None else 0)
+print("offloaded:", scope.stats.offloaded_tensors if scope is not None else 0)
+print("survived")
+"""
+
+
+def test_an_assert_in_the_loss_then_backward_without_sync_surfaces_the_users_error():
+    """The sequence no earlier GPU test ran: a device-side assert in the loss (an out-of-range label), then
+    `loss.backward()` with no synchronisation, offload on. Backward restores (and prefetches) blocks before the first
+    CUDA call reports the dead context; unwinding frees them. The user's CUDA error must surface as it does without
+    offload -- not std::terminate from a block tagged in the caching allocator -- and the scope must track nothing
+    after its exit. Each run in a subprocess (the error leaves the context unusable)."""
+    script = _ASSERT_IN_LOSS_SCRIPT.format(tests=str(ROOT / "tests"))
+    runs = {}
+    for mode in ("plain", "offload"):
+        result = subprocess.run([sys.executable, "-c", script, mode], cwd=ROOT, capture_output=True, text=True,
+                                timeout=180)
+        runs[mode] = result
+        _figure(f"assert_in_loss_{mode}", rc=result.returncode, tail=(result.stdout + result.stderr)[-300:])
+    for mode, result in runs.items():
+        assert result.returncode == 0 and "survived" in result.stdout, (mode, result.stdout, result.stderr[-3000:])
+    lines = {mode: dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+             for mode, r in runs.items()}
+    assert lines["plain"]["error"] != "None", lines
+    assert lines["offload"]["error"] == lines["plain"]["error"], lines
+    assert lines["offload"]["tracked"] == "0" and lines["offload"]["offloaded"] == "5", lines
+
+
 def _llama_step(model, ids, scope_kwargs):
     model.zero_grad(set_to_none=True)
     if scope_kwargs is None:

@@ -120,6 +120,7 @@ def test_pack_passes_tree_memory_through_and_counts_it(cached_tensor_registry, m
     from hsoffload import cudagraphs, scope as scope_module
 
     monkeypatch.setattr(scope_module, "owned_by_cudagraph_tree", lambda t: cudagraphs.in_tree_memory(t, 0))
+    monkeypatch.setattr(scope_module, "trees_loaded", lambda: True)  # as once inductor's trees are imported
 
     def f(x: torch.Tensor, tree_output: bool) -> torch.Tensor:
         h = x * 2  # "the cudagraphed graph's output"
@@ -136,3 +137,21 @@ def test_pack_passes_tree_memory_through_and_counts_it(cached_tensor_registry, m
     assert torch.equal(x.grad, x0.grad)
     s = scope.stats
     assert s.captured_passthrough == 1 and s.offloaded_tensors >= 1, s
+
+
+@pytest.mark.parametrize("trees", [False, True])
+def test_the_tree_question_is_asked_only_of_marked_tensors_once_trees_exist(trees, monkeypatch) -> None:
+    """The CUDA-graph-tree check costs Python work per save: the pack hook asks it only once inductor's trees are
+    imported, and then only for tensors the engine would offload (marked), not for every saved tensor."""
+    from hsoffload import scope as scope_module
+
+    asked: list[torch.Size] = []
+    monkeypatch.setattr(scope_module, "owned_by_cudagraph_tree", lambda t: asked.append(t.shape) or False)
+    monkeypatch.setattr(scope_module, "trees_loaded", lambda: trees)
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    with OffloadScope(offload_cpu_tensors=True, min_offload_size=0) as scope:
+        h = torch.ops.hsoffload.mark_hidden_state(x * 1)
+        torch.tanh(lin(h)).sum().backward()  # saves h (marked), and tanh's output and the weight (not marked)
+    assert scope.stats.saved_tensors_seen >= 3 and scope.stats.offloaded_tensors == 1, scope.stats
+    assert asked == ([torch.Size([8, 16])] if trees else []), asked

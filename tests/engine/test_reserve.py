@@ -89,6 +89,20 @@ def test_scope_option_reserves_at_entry(fresh_pool) -> None:
         hsoffload.OffloadConfig(reserve_host_bytes="auto")
 
 
+def test_scope_entry_reserves_under_its_own_host_budget(fresh_pool, caplog) -> None:
+    """reserve_host_bytes is pinned after the entry's max_host_bytes applies: a reservation larger than the entry's
+    budget stops at the pool limit that budget gives (and says so), instead of pinning under the old limit first."""
+    hsoffload.set_host_budget("auto")  # the process's budget before: most of the machine's RAM
+    budget = 4 << 20
+    with caplog.at_level(logging.WARNING, logger="hsoffload"):
+        with OffloadScope(offload_cpu_tensors=True, min_offload_size=0, pin_memory=False, max_host_bytes=budget,
+                          reserve_host_bytes=64 << 20):
+            held = hsoffload.pool_stats().held_bytes
+    hsoffload.set_host_budget("auto")
+    assert held <= budget + budget // 8, held  # the pool follows the entry's budget (+1/16), slab rounding aside
+    assert any("reserve_host(67108864)" in r.getMessage() for r in caplog.records), caplog.records
+
+
 def test_pool_and_budget_tell_the_same_story_unpooled_blocks_included(fresh_pool) -> None:
     torch.manual_seed(0)
     model = Stack()

@@ -381,8 +381,12 @@ def test_plugin_installs_zero3_loading_patch_when_asked_with_a_zero3_deepspeed_c
             assert not zero3_loading.is_patched(), cfg
         for ds in (str(zero3), {"zero_optimization": {"stage": 3}}, encoded):
             HsOffloadPlugin().pre_model_load(Cfg(deepspeed=ds, hsoffload_zero3_loading=True))
-            assert zero3_loading.is_patched(), ds
+            assert zero3_loading.is_patched() and zero3_loading._settings["verify"] is False, ds
             zero3_loading.unpatch()
+        HsOffloadPlugin().pre_model_load(Cfg(deepspeed=str(zero3), hsoffload_zero3_loading=True,
+                                             hsoffload_zero3_loading_verify=True))
+        assert zero3_loading.is_patched() and zero3_loading._settings["verify"] is True
+        zero3_loading.unpatch()
     finally:
         zero3_loading.unpatch()
     assert not zero3_loading.is_patched()

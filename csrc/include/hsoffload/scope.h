@@ -255,14 +255,10 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   std::string first_host_alloc_error_;  // the first failure's message, kept for the warning (first_host_alloc_error)
   // Expired marks/records are pruned when the lists reach this size (amortised O(1)).
   size_t prune_at_ = 64;
-  // Sources in memory the device's allocator does not own, kept referenced until their copy to host has read them
-  // (copy_to_host_locked); reaped at every pack, waited for by the destructor.
-  struct ForeignSource {
-    std::shared_ptr<c10::Event> copied;
-    c10::Storage storage;
-  };
-  std::vector<ForeignSource> foreign_sources_;
-  void reap_foreign_sources_locked();
+  // Device blocks a side stream still uses (copy sources, restored blocks being written, a foreign consumer's
+  // block), held instead of tagged in the allocator (keepalive.h); reaped at every pack and unpack, let go at the
+  // end of a backward (release_restores), at exit and by the destructor.
+  KeepAlive side_uses_;
   SideStreams streams_;
   OffloadStats stats_;
 };

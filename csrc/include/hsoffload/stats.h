@@ -36,8 +36,9 @@ namespace hsoffload {
   X(captured_passthrough, "marked tensors saved while the current stream was capturing a graph: left in place")   \
   X(prefetch_oom, "prefetches not started for lack of device memory (the unpack copies on demand instead)")         \
   X(prefetch_dropped, "prefetched blocks given back after an out-of-memory (of a prefetch or a needed restore)")    \
-  X(host_alloc_failures, "host (pinned) allocations that failed at pack: the tensor stayed on the device (kept)")   \
-  X(released_restores, "prefetched or held restores given back when a graph task ended early or the scope exited")
+  X(host_alloc_failures, "host (pinned) allocations that failed at pack (the tensor stayed on the device; later packs of the entry skip the allocation and count as kept only)")   \
+  X(released_restores, "prefetched or held restores given back when a graph task ended early or the scope exited")   \
+  X(side_use_holds, "device blocks held until a side stream's copy of them completed (never tagged in the allocator)")
 
 // The process-wide host pool (HostPool::stats()).
 #define HSOFFLOAD_POOL_STATS(X)                                                                                     \

@@ -1,11 +1,13 @@
 // The transfer protocol: every copy between a device and host memory (a host block, or a spill store's staging
-// chunk), and the only code of the engine that touches streams, events, StreamGuard and recordDataPtrOnStream.
+// chunk), and the only code of the engine that records events or orders streams (StreamGuard, Event::block); the
+// event queries of destructors and I/O threads are in events.h, and blocks a side stream uses are held in a KeepAlive
+// (keepalive.h), never tagged in the allocator.
 //
 // Three steps, each with the rules of docs/design.md ("Stream and event protocol", invariants I1-I4) tagged on the
 // line that enforces them (and the mutation-check id, Mn, that proves a test fails without it):
 //   copy_to_host    device -> host, at pack          (e_prod, side-stream use, d2h_done)
 //   copy_to_device  host -> device, at restore/prefetch (e_alloc, d2h_done, side-stream use, h2d_done)
-//   consume         at unpack: the consumer's stream waits h2d_done; a foreign consumer is made known
+//   consume         at unpack: the consumer's stream waits h2d_done; a foreign consumer's block is held
 // The spill tier takes its stream order from `spill_write_order` / `spill_read_order` at pack/restore, and its I/O
 // threads copy through `stage_to_host` / `stage_to_device`, or wait for a pack's host copy (`wait_host_copy`) before
 // writing a host block to a file. "The compute stream" is always the stream current on
@@ -22,6 +24,7 @@
 #pragma once
 
 #include "hsoffload/host_pool.h"
+#include "hsoffload/keepalive.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Event.h>
@@ -79,9 +82,11 @@ void copy_extents(Direction direction, const at::Tensor& device_bytes, const Hos
 // `pin_memory` (an async copy needs pinned memory).
 HostBlock acquire_host_block(HostPool& pool, int64_t bytes, c10::Device device, bool pin_memory);
 
-// Pack: starts copying `src` (a byte view of the tensor's storage) into `host`. Returns the event that completes
-// with the copy (d2h_done), or null when the copy was synchronous (CPU).
-std::shared_ptr<c10::Event> copy_to_host(const at::Tensor& src, HostBlock& host, SideStreams& streams);
+// Pack: starts copying `src` (a byte view of the tensor's storage) into `host`; `src`'s storage is held in `uses`
+// while a side stream (or, for memory the caching allocator does not own, any stream) reads it. Returns the event
+// that completes with the copy (d2h_done), or null when the copy was synchronous (CPU).
+std::shared_ptr<c10::Event> copy_to_host(const at::Tensor& src, HostBlock& host, SideStreams& streams,
+                                         KeepAlive& uses);
 
 // A device block for a restore: `bytes` bytes from the compute stream's pool, `bytes` at offset `pad` of `block`
 // so that the span's first byte has address `align` modulo kSpanAlignment.
@@ -99,13 +104,14 @@ struct RestoreOrder {
 };
 
 // Restore/prefetch: starts copying `host` into `dev` (allocated by allocate_device_span on the current stream),
-// after `d2h_done` (the pack's copy) if set.
+// after `d2h_done` (the pack's copy) if set; `dev`'s storage is held in `uses` while the side stream writes it.
 RestoreOrder copy_to_device(const at::Tensor& dev, HostBlock& host, const std::shared_ptr<c10::Event>& d2h_done,
-                            SideStreams& streams);
+                            SideStreams& streams, KeepAlive& uses);
 
-// Unpack: makes the current stream wait for `done` and, if it is not `alloc_stream`, tells the allocator that it
-// uses `dev`. Never blocks the host.
-void consume(const at::Tensor& dev, const c10::Event& done, const std::optional<c10::Stream>& alloc_stream);
+// Unpack: makes the current stream wait for `done`; if it is not `alloc_stream`, `dev`'s storage is held in `uses`
+// until `uses.release_all()` (the end of the graph task). Never blocks the host.
+void consume(const at::Tensor& dev, const c10::Event& done, const std::optional<c10::Stream>& alloc_stream,
+             KeepAlive& uses);
 
 // The stream order a spill I/O job needs: `ready` (recorded on the compute stream) and the stream it copies on.
 // Both empty for CPU tensors.

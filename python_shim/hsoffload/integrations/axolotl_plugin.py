@@ -28,6 +28,7 @@ In the Axolotl YAML::
     hsoffload_offload_output_head: false  # policy all: also the output head's saved tensors
     hsoffload_zero3_loading: false        # true, with a ZeRO-3 `deepspeed:` config: ranks other than rank 0 receive
                                           # only their partition while the model loads (hsoffload.zero3_loading)
+    hsoffload_zero3_loading_verify: false # true: check every partition against rank 0's values (a checksum each)
 
 RAM-efficient loading does not need `activation_offloading`: FSDP's `cpu_ram_efficient_loading` installs
 `hsoffload.fsdp.patch()`, and `hsoffload_zero3_loading: true` with a ZeRO-3 `deepspeed` config installs
@@ -93,6 +94,7 @@ KEYS: dict[str, tuple[type, str]] = {
     "hsoffload_offload_fraction": (float, "a number from 0 to 1"),
     "hsoffload_offload_output_head": (bool, "true or false"),
     "hsoffload_zero3_loading": (bool, "true or false"),
+    "hsoffload_zero3_loading_verify": (bool, "true or false"),
 }
 
 try:
@@ -117,6 +119,7 @@ try:
         hsoffload_offload_fraction: Optional[float] = Field(default=None, ge=0.0, le=1.0)
         hsoffload_offload_output_head: Optional[StrictBool] = None
         hsoffload_zero3_loading: Optional[StrictBool] = None
+        hsoffload_zero3_loading_verify: Optional[StrictBool] = None
 
 except ImportError:  # pragma: no cover - pydantic ships with Axolotl
     HsOffloadArgs = None  # type: ignore[assignment,misc]
@@ -294,7 +297,7 @@ class HsOffloadPlugin(BasePlugin):
         if wants_zero3_loading(cfg):
             from .. import zero3_loading
 
-            zero3_loading.patch()  # logs what it patched
+            zero3_loading.patch(verify=_cfg_get(cfg, "hsoffload_zero3_loading_verify") is True)  # logs what it patched
         elif _cfg_get(cfg, "hsoffload_zero3_loading") is True:
             log_once("zero3_loading_without_zero3", logging.WARNING,
                      "hsoffload: hsoffload_zero3_loading: true does nothing here: deepspeed: %r is not a readable "

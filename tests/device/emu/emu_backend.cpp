@@ -543,7 +543,11 @@ TORCH_LIBRARY(hsemu, m) {
   // A stream that no one else uses.
   m.def("new_stream() -> int", [] { return static_cast<int64_t>(hsemu::new_stream()); });
   // Waits until every stream is idle.
-  m.def("synchronize() -> ()", [] { hsemu::drain_all(); });
+  // Drains every stream; raises afterwards while a sticky error is emulated, as cudaDeviceSynchronize does.
+  m.def("synchronize() -> ()", [] {
+    hsemu::drain_all();
+    TORCH_CHECK(!hsemu::event_fault(), "hsemu: device-side assert triggered (emulated sticky error, set_event_fault)");
+  });
   // async_copies, sync_copies, cross_stream_waits, device_allocs, device_reuses, deferred_frees,
   // pinned_deferred_frees, host_syncs, job_errors (cumulative); allocated_bytes, peak_allocated_bytes (gauges).
   m.def("stats() -> int[]", &hsemu::op_stats);

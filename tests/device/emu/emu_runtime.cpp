@@ -209,6 +209,13 @@ class DeviceAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = live_.find(ptr);
     TORCH_INTERNAL_ASSERT(it != live_.end(), "hsemu: freeing a block the device allocator does not own");
+    // As CUDA's caching allocator does (insert_events): a block other streams were recorded on gets an event
+    // recorded on each of them, which raises on a dead context (a sticky error) -- here, from the DataPtr's
+    // deleter inside a noexcept destructor: std::terminate, as on a GPU.
+    const bool foreign_use = std::any_of(it->second.uses.begin(), it->second.uses.end(),
+                                         [&](c10::StreamId use) { return use != it->second.stream; });
+    TORCH_CHECK(!(foreign_use && event_fault()), "hsemu: device-side assert triggered (emulated sticky error, "
+                "set_event_fault): recording the stream uses of a freed block");
     Block block = std::move(it->second);
     live_.erase(it);
     count_allocated(-static_cast<int64_t>(block.handed_out));

@@ -46,6 +46,9 @@ def _step(model: LinearStack, x: torch.Tensor, scope: OffloadScope | None) -> di
     with scope:
         loss = model(x)
         hsemu.synchronize()  # every device->host copy has landed; spill writes may still be running
+        # The engine lets go of a copied source at the next pack (or unpack) that finds its copy done: one more save.
+        probe = torch.ones(1, device=x.device, requires_grad=True)
+        _ = probe * probe
         held = hsemu.stats()["allocated_bytes"]
         written = scope.spill_stats()["bytes_written"]
         loss.backward()
