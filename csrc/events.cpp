@@ -13,29 +13,26 @@ namespace {
 std::atomic<int64_t> failed_queries{0};
 }  // namespace
 
-namespace {
-enum class Query { kDone, kRunning, kFailed };
-Query ask(const c10::Event& event) noexcept {
+EventState event_state(const c10::Event& event) noexcept {
   try {
-    return event.query() ? Query::kDone : Query::kRunning;
+    return event.query() ? EventState::kDone : EventState::kRunning;
   } catch (...) {
     failed_queries.fetch_add(1);
-    return Query::kFailed;
+    return EventState::kFailed;
   }
 }
-}  // namespace
 
-bool event_completed(const c10::Event& event) noexcept { return ask(event) == Query::kDone; }
+bool event_completed(const c10::Event& event) noexcept { return event_state(event) == EventState::kDone; }
 
 bool wait_event(const c10::Event& event) noexcept {
   auto pause = std::chrono::microseconds(20);
   for (;;) {
-    switch (ask(event)) {
-      case Query::kDone:
+    switch (event_state(event)) {
+      case EventState::kDone:
         return true;
-      case Query::kFailed:
+      case EventState::kFailed:
         return false;
-      case Query::kRunning:
+      case EventState::kRunning:
         break;
     }
     std::this_thread::sleep_for(pause);

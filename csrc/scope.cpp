@@ -139,7 +139,8 @@ OffloadScope::OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool,
       streams_(config_.use_streams) {}
 
 OffloadScope::~OffloadScope() {
-  side_uses_.release_all(capturing_device);  // nothing else holds the scope now: no lock
+  side_uses_.release_all(capturing_device);  // nothing else holds the scope now: no lock; a host wait at most for a
+                                            // source still being copied
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry_locked().erase(id_);
 }
@@ -188,7 +189,13 @@ void OffloadScope::exit() {
     active_ = false;
     marks_.clear();
     prune_locked();
-    side_uses_.release_all(capturing_device);  // whatever the events say: nothing outlives the scope (keepalive.h)
+    // What the scope's entry leaves held (keepalive.h): done copies, restored blocks (their stream waits on the
+    // device) and consumers' blocks go now; on a dead context everything goes. A source still being copied on a
+    // live context stays held until the next call finds its copy done (or the destructor waits for it).
+    side_uses_.reap();
+    side_uses_.release_restores(capturing_device);
+    side_uses_.release_consumers(capturing_device);
+    side_uses_.drop_failed();
   }
   release_restores();  // at the latest here: nothing of a backward that ended early stays on the device
 }
@@ -718,9 +725,12 @@ void OffloadScope::restore_now_locked(OffloadRecord& record) {
   } catch (c10::OutOfMemoryError& e) {
     // Blocks prefetched ahead of their unpack may hold the room this restore needs: give them back and try once
     // more (they are copied again when their unpack comes), and prefetch no more in this pass (each failed
-    // allocation makes a caching allocator free its whole cache). With none held, the device is really full.
+    // allocation makes a caching allocator free its whole cache). Blocks held until their copies are done go back
+    // too (keepalive.h). With none of either, the device is really full.
+    const size_t held = side_uses_.size();
+    side_uses_.reap();
     dropped = drop_prefetched_locked();
-    if (dropped == 0) {
+    if (dropped == 0 && side_uses_.size() == held) {
       add_restore_oom_context(e, record.bytes(), 0, config_.prefetch_depth);
       throw;
     }
@@ -747,8 +757,9 @@ int64_t OffloadScope::drop_prefetched_locked() {
     }
   }
   // Dropped blocks whose copies still run are held (keepalive.h): ordered after their copies on the device, they go
-  // back to the allocator now, for the restore that needs the room.
-  side_uses_.release_all(capturing_device);
+  // back to the allocator now, for the restore that needs the room. Consumers' blocks stay: their readers' kernels
+  // may not be queued yet.
+  side_uses_.release_restores(capturing_device);
   count(stats_, &OffloadStats::prefetch_dropped, dropped);
   return dropped;
 }
@@ -796,7 +807,9 @@ void OffloadScope::release_restores() {
       restore.restored_once = false;  // the next backward over a retained graph is a new pass: same-group prefetch
     }
     prefetch_paused_ = false;  // a new pass tries prefetching again
-    side_uses_.release_all(capturing_device);  // the graph task queued all its work: a consumer's use is marked now
+    // The graph task queued all its work: a consumer's use is marked now; dropped prefetches' blocks go too.
+    side_uses_.release_restores(capturing_device);
+    side_uses_.release_consumers(capturing_device);
   }
 }
 

@@ -137,7 +137,7 @@ std::shared_ptr<c10::Event> copy_to_host(const at::Tensor& src, HostBlock& host,
   if (copy_stream != compute || !owned) {
     // I1 (M2): the device block must not be reused before the copy has read it: held (never tagged in the
     // allocator: keepalive.h) until d2h_done completes.
-    uses.hold(src.storage(), d2h_done, owned ? std::optional<c10::Stream>(compute) : std::nullopt);
+    uses.hold_source(src.storage(), d2h_done);
   }
   return d2h_done;
 }
@@ -190,7 +190,7 @@ RestoreOrder copy_to_device(const at::Tensor& dev, HostBlock& host, const std::s
   order.done->record(copy_stream);
   host.record_use(order.done);  // I2 (M7): the pool lends the block again only after the copy read it
   if (copy_stream != compute) {
-    uses.hold(dev.storage(), order.done, compute);  // I1 (M6, M25): the copy writes it on H; held, never tagged
+    uses.hold_restore(dev.storage(), order.done, compute);  // I1 (M6, M25): the copy writes it on H; held, never tagged
   }
   return order;
 }
@@ -203,7 +203,7 @@ void consume(const at::Tensor& dev, const c10::Event& done, const std::optional<
   const c10::Stream consumer = impl.getStream(dev.device());
   done.block(consumer);  // I3 (M8): the consumer reads the restored bytes only after the copy wrote them
   if (alloc_stream && *alloc_stream != consumer) {
-    uses.hold_until_release(dev.storage(), consumer, *alloc_stream);  // I1 (M9): a foreign consumer's use
+    uses.hold_consumer(dev.storage(), consumer, *alloc_stream);  // I1 (M9): a foreign consumer's use
   }
 }
 

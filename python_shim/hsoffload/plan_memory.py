@@ -728,7 +728,7 @@ def layer_saved_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     return norms + mid_residual + attention_saved_bytes(shape, s) + mlp_saved_bytes(shape, s, moe)
 
 
-def layer_backward_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+def layer_backward_bytes(shape: ModelShape, s: Setup, moe: bool, offloaded: bool = True) -> int:
     """The most one layer's backward (after its recompute) has on the device, its input excluded. Autograd frees each
     node's saved tensors once it ran, so the MLP's are gone when attention's backward runs: the larger of
     (everything saved + the MLP's gradients in flight, or an MoE recompute's routing bookkeeping) and (first norm +
@@ -737,7 +737,7 @@ def layer_backward_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     residual_grads = 2 * hidden_bytes(shape, s)
     # The copies each save makes of its own come back with the layer; the probabilities' second copy is counted with
     # the prefetched layer only (held_per_layer_bytes): the emulated allocator's peaks show it once, not twice.
-    attention_copies, mlp_copies, _ = unshared_save_parts(shape, s, moe)
+    attention_copies, mlp_copies, _ = unshared_save_parts(shape, s, moe, offloaded)
     mlp_stage = (layer_saved_bytes(shape, s, moe) + attention_copies + mlp_copies
                  + max(mlp_backward_transient_bytes(shape, s, moe), moe_routing_bytes(shape, s, moe)))
     attention_stage = (norm_bytes(shape.hidden, s) + attention_saved_bytes(shape, s) + attention_copies
@@ -758,24 +758,28 @@ def layer_forward_transient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int
     return max(extra, moe_routing_bytes(shape, s, moe))
 
 
-def unshared_save_parts(shape: ModelShape, s: Setup, moe: bool) -> tuple[int, int, int]:
+def unshared_save_parts(shape: ModelShape, s: Setup, moe: bool, offloaded: bool = True) -> tuple[int, int, int]:
     """Policy "all" without checkpointing, `share_copies` off: what one layer's saves copy beyond `layer_saved_bytes`
     because each save gets a copy of its own (hsoffload's default, docs/design.md "Copy sharing") where several ops
     save one tensor, as (attention block, MLP block, attention probabilities). Attention: the first norm's output
     (q, k and v projections: two more), its float32 input and rsqrt (its pow and mul; rsqrt and mul), QK-norm's
     likewise, rotary cos and sin (q's and k's products: two each, per layer), sdpa/flash's output (o_proj saves it
-    again). MLP: the second norm's output (gate and up, or an MoE block's router and experts: one more) and its
-    float32 input and rsqrt; an MoE block's fused gate_up output, whose two chunks are saved by two ops (act and
-    the product): each copies the whole output (it spans nearly all of it), one more per routed token. Probabilities: math's and eager float32's (softmax and the matmul with v). Liger's norms
+    again). MLP: the second norm's output (a dense MLP's gate and up: one more; an MoE block's router alone saves it
+    -- its experts gather their tokens --, a shared expert's gate and up two more, Qwen2-MoE's shared-expert gate
+    one more) and its float32 input and rsqrt; an MoE block's fused gate_up output, whose two chunks are saved by
+    two ops (act and the product): each copies the whole output (it spans nearly all of it), one more per routed
+    token. A layer that keeps its tensors on the device (`keep_last_layers`, `offloaded` False) copies nothing. Probabilities: math's and eager float32's (softmax and the matmul with v). Liger's norms
     and RoPE are one node each (their saves share). Zeros when nothing is offloaded this way."""
-    if s.checkpointing or s.offload != "all" or s.share_copies:
+    if s.checkpointing or s.offload != "all" or s.share_copies or not offloaded:
         return 0, 0, 0
     t, b = s.tokens, s.dtype_bytes
     norm = 0 if s.liger else t * (shape.hidden + 1) * F32
     attention = 2 * t * shape.hidden * b + norm * (shape.norms_per_layer - 1)
-    mlp = t * shape.hidden * b + norm
     if moe:
-        mlp += t * shape.experts_per_token * 2 * shape.expert_intermediate * b
+        shared = (2 + shape.text_model_type.startswith("qwen2_moe")) if shape.shared_expert_intermediate else 0
+        mlp = shared * t * shape.hidden * b + norm + t * shape.experts_per_token * 2 * shape.expert_intermediate * b
+    else:
+        mlp = t * shape.hidden * b + norm
     if not s.liger:
         if shape.qk_norm:
             attention += t * (shape.heads + shape.kv_heads) * (shape.head_dim + 1) * F32
@@ -786,17 +790,18 @@ def unshared_save_parts(shape: ModelShape, s: Setup, moe: bool) -> tuple[int, in
     return attention, mlp, probabilities
 
 
-def unshared_save_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+def unshared_save_bytes(shape: ModelShape, s: Setup, moe: bool, offloaded: bool = True) -> int:
     """The host bytes one layer's saves copy beyond `layer_saved_bytes` (`unshared_save_parts`, all of them)."""
-    return sum(unshared_save_parts(shape, s, moe))
+    return sum(unshared_save_parts(shape, s, moe, offloaded))
 
 
-def held_per_layer_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
+def held_per_layer_bytes(shape: ModelShape, s: Setup, moe: bool, offloaded: bool = True) -> int:
     """What backward holds for one layer between its forward and its backward: the checkpointed input (policy
     "sac": also the projections' outputs), or without checkpointing everything the layer saves and its input (with
     policy "all", the copies each save makes of its own: `unshared_save_bytes`)."""
     if not s.checkpointing:
-        return layer_saved_bytes(shape, s, moe) + hidden_bytes(shape, s) + unshared_save_bytes(shape, s, moe)
+        return (layer_saved_bytes(shape, s, moe) + hidden_bytes(shape, s)
+                + unshared_save_bytes(shape, s, moe, offloaded))
     sac = s.selective_checkpointing or s.offload == "sac"
     per_token = shape.hidden + (sac_elements_per_token(shape) if sac else 0)
     return s.tokens * per_token * s.dtype_bytes
@@ -895,7 +900,8 @@ def _device_layers(s: Setup, layers: int, upto: int, in_backward: bool) -> list[
 def phases(shape: ModelShape, s: Setup) -> list[Phase]:
     """Every phase of one step with its terms (bytes), in order."""
     moe_flags = [_is_moe(shape, i) for i in range(shape.layers)]
-    held = [held_per_layer_bytes(shape, s, m) for m in moe_flags]
+    offloaded = [i < shape.layers - s.keep_last_layers for i in range(shape.layers)]  # kept layers copy nothing
+    held = [held_per_layer_bytes(shape, s, m, o) for m, o in zip(moe_flags, offloaded)]
     weights = weights_bytes(shape, s)
     opt = optimizer_state_bytes(shape, s)
     fsdp = fsdp_gathered_bytes(shape, s)
@@ -929,7 +935,7 @@ def phases(shape: ModelShape, s: Setup) -> list[Phase]:
         held_now = sum(held[j] for j in _device_layers(s, shape.layers, i, True) if j < i or s.checkpointing)
         add(f"backward layer {i}", **base, gradients=grads + fsdp_unsharded_gradient_bytes(shape, s),
             held_for_backward=held_now, attention_mask=persistent_mask,
-            layer_working_set=layer_backward_bytes(shape, s, moe_flags[i]))
+            layer_working_set=layer_backward_bytes(shape, s, moe_flags[i], offloaded[i]))
     add("optimizer step", weights=weights, optimizer_states=opt, gradients=gradients_bytes(shape, s),
         optimizer_update=optimizer_step_bytes(shape, s))
     return out

@@ -463,6 +463,20 @@ class RootGatheredParameters:
         mine: list[torch.Tensor] = []
         expected: Optional[list[list[torch.Tensor]]] = None
         src = 0
+
+        def attempt(step: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
+            """A rank-local step between the collectives: its failure is raised on every rank at the status check
+            below, never before a collective the other ranks are waiting in."""
+            nonlocal failure
+            try:
+                return step()
+            except Exception as e:  # noqa: BLE001
+                failure = failure or e
+                return fallback()
+
+        def zero_sum() -> torch.Tensor:
+            return torch.zeros(2, dtype=torch.int64, device=_comm_device())
+
         for p, full in zip(self._params, self._full):
             group = p.ds_process_group
             rank, world, src = _group_facts(group)
@@ -481,19 +495,26 @@ class RootGatheredParameters:
                     flat = full.narrow(0, 0, p.ds_numel)  # something of the right size, so the receivers finish
                 if verify:
                     expected = expected or [[] for _ in range(world)]
-                    for r, c in enumerate(_slice_checksums(flat, part, world)):
+                    sums = attempt(lambda: _slice_checksums(flat, part, world), lambda: [zero_sum()] * world)
+                    for r, c in enumerate(sums):
                         expected[r].append(c)
                 own = _send_slices(flat, part, world, src, group)
-                if n > 0:
-                    p.ds_tensor.narrow(0, 0, n).copy_(own.narrow(0, 0, n))
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+                def keep_own(p: Any = p, own: torch.Tensor = own, n: int = n) -> None:
+                    if n > 0:
+                        p.ds_tensor.narrow(0, 0, n).copy_(own.narrow(0, 0, n))
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+                attempt(keep_own, lambda: None)
             if verify:
                 labels.append(_label(p))
-                mine.append(_checksum(p.ds_tensor.narrow(0, 0, n)))
+                mine.append(attempt(lambda p=p, n=n: _checksum(p.ds_tensor.narrow(0, 0, n)), zero_sum))
         self._full = []
         if verify and self._params:
-            failure = failure or _verify_partitions(labels, mine, expected, src, self._group())
+            # Every rank gathers, whatever failed here: a rank skipping it would leave the others in the gather.
+            mismatch = _verify_partitions(labels, mine, expected, src, self._group())
+            failure = failure or mismatch
         if failure is not None and failure is exc and _agreed(exc):
             return None  # already raised on every rank (a nested status check)
         _agree(failure, "inside GatheredParameters (rank 0's init or load of gathered parameters)", self._group())

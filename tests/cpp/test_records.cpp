@@ -11,7 +11,6 @@
 #include <ATen/ATen.h>
 
 #include <memory>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -186,8 +185,8 @@ void test_share_policy_admits_referenced_bytes_and_same_node_siblings() {
   hsoffload::SaveFootprint half{0, 4096 - 64, 4, {32, 16}, {32, 1}, false};  // columns 0..15 of the same rows
   hsoffload::SaveFootprint other_half{64, 4096, 4, {32, 16}, {32, 1}, false};
   hsoffload::SaveFootprint inner{1024, 2048, 4, {8, 32}, {32, 1}, true};
-  const hsoffload::SaveSite here{std::this_thread::get_id(), 7};
-  const hsoffload::SaveSite later{std::this_thread::get_id(), 8};
+  const hsoffload::SaveSite here{1, 7};
+  const hsoffload::SaveSite later{1, 8};
   hsoffload::SharePolicy whole;
   whole.first(dense, hsoffload::ProducerRef(), here);
   EXPECT(whole.admits(inner, nullptr, here, false));  // the same node's saves share by default

@@ -40,7 +40,8 @@ from support.launch import torchrun_env
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "zero3_loading_worker.py"
 PLAN = ("from_config:patched,from_config:stock,from_pretrained:patched,from_pretrained:stock,"
-        "mismatch:patched,rank0_read_error:patched,mismatch_ignored:patched,verify_detects:patched")
+        "mismatch:patched,rank0_read_error:patched,mismatch_ignored:patched,rank0_init_error:patched,"
+        "verify_detects:patched")
 COLLECTIVE_TIMEOUT_S = 120  # the worker's init_distributed timeout: where a rank left waiting would give up
 
 
@@ -163,6 +164,15 @@ def test_a_failure_on_rank0_only_raises_on_every_rank(runs: dict[int, Any]) -> N
     assert e1["type"] == "Zero3LoadError"
     assert "rank 0 failed while reading" in e1["message"]
     assert f"{e0['type']}: {e0['message']}" in e1["message"]  # one message: rank 0's, quoted
+
+
+@needs_deepspeed
+def test_a_failure_inside_rank0s_gathered_init_raises_on_every_rank_with_verify_on(runs: dict[int, Any]) -> None:
+    """Rank 0's init fails inside the gathered initialize_weights_zero3 while verify=True: every rank still runs
+    every scatter and the verification's gather (no rank left in a collective), then raises rank 0's error."""
+    e0, e1 = _failed(runs, "rank0_init_error")
+    assert e0["type"] == "RuntimeError" and "rank 0's _init_weights failed" in e0["message"]
+    assert e1["type"] == "Zero3LoadError" and e0["message"] in e1["message"] and "rank 0 failed" in e1["message"]
 
 
 @needs_deepspeed

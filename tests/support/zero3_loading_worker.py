@@ -12,6 +12,8 @@ Failing loads (kinds `mismatch`, `mismatch_ignored`, `rank0_read_error`, patched
 same process): a checkpoint whose MLP shapes do not fit the model's config (without and with
 `ignore_mismatched_sizes=True`), and a failure on rank 0 only -- rank 0 loads a copy of the checkpoint with one
 shard truncated (as a node-local copy can be), rank 1 the intact one, so only rank 0's read raises; and
+`rank0_init_error`: `from_config` whose model's `_init_weights` raises on rank 0 only, inside the gathered
+`initialize_weights_zero3` (with `--verify`: the verification's gather must still run on every rank); and
 `verify_detects` (with `--verify`): rank 1 flips one byte of the partition of CORRUPTED it received (the module's
 test hook), which `verify=True` must report on every rank. Per rank: the exception's type and text, and the seconds
 from the call to the raise.
@@ -55,7 +57,7 @@ DS_CONFIG: dict[str, Any] = {
 
 DTYPE = torch.float32  # --bf16: torch.bfloat16
 VERIFY = False  # --verify
-FAILING = ("mismatch", "mismatch_ignored", "rank0_read_error", "verify_detects")
+FAILING = ("mismatch", "mismatch_ignored", "rank0_read_error", "rank0_init_error", "verify_detects")
 CORRUPTED = "model.layers.1.self_attn.q_proj.weight"  # verify_detects: rank 1 flips one byte of its partition
 
 
@@ -247,6 +249,14 @@ def load_failing(kind: str, config: Any, path: str, out_dir: str) -> dict[str, A
         kwargs["ignore_mismatched_sizes"] = kind == "mismatch_ignored"
     elif kind == "rank0_read_error" and rank == 0:
         load_path = truncated_copy(path, out_dir)
+    elif kind == "rank0_init_error" and rank == 0:
+        # The user's model code failing on rank 0 alone, inside the gathered init (a fault injected in the model's
+        # own _init_weights, not in transformers or DeepSpeed).
+        def failing_init(self: Any, module: torch.nn.Module) -> None:
+            raise RuntimeError("rank 0's _init_weights failed (injected by the test)")
+
+        previous_init = transformers.LlamaForCausalLM.__dict__.get("_init_weights")  # usually inherited: None
+        transformers.LlamaForCausalLM._init_weights = failing_init
     elif kind == "verify_detects" and rank == 1:
         def flip(label: str, partition: torch.Tensor) -> None:
             if label.startswith(CORRUPTED + " "):
@@ -258,9 +268,18 @@ def load_failing(kind: str, config: Any, path: str, out_dir: str) -> dict[str, A
     model = None
     raised = None
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(load_path, dtype=DTYPE, **kwargs)
+        if kind == "rank0_init_error":
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPE)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(load_path, dtype=DTYPE, **kwargs)
     except Exception as e:  # what the test asserts: the same error on every rank
         raised = {"type": type(e).__name__, "message": str(e)}
+    finally:
+        if kind == "rank0_init_error" and rank == 0:
+            if previous_init is None:
+                del transformers.LlamaForCausalLM._init_weights
+            else:
+                transformers.LlamaForCausalLM._init_weights = previous_init
     seconds = time.perf_counter() - t0
     z3._TEST_HOOKS["after_receive"] = None
     result: dict[str, Any] = {"kind": kind, "patched": True, "rank": rank, "raised": raised, "seconds": seconds,

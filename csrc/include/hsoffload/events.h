@@ -18,6 +18,10 @@
 
 namespace hsoffload {
 
+// What a query of `event` says: done (or never recorded), still running, or failed (a dead context). Never throws.
+enum class EventState { kDone, kRunning, kFailed };
+EventState event_state(const c10::Event& event) noexcept;
+
 // True if `event` has completed or was never recorded; false while it runs and when the query failed. Never throws.
 bool event_completed(const c10::Event& event) noexcept;
 
