@@ -188,7 +188,7 @@ def apply_host_budget(wanted: Union[int, str, None]) -> None:
             f" less {host_room() / 2**30:.2f} GiB per rank left to other host users (set_host_room)"
             if host_room()
             else "",
-            name or "the local size (no launcher variable names it)",
+            name or "LOCAL_WORLD_SIZE (unset: no launcher variable names the local size)",
             local,
         )
     elif now.is_auto or now.limit != wanted:

@@ -5,6 +5,9 @@
   hooks hand a reentrant recompute an alias *with a grad_fn* of the layer input, which the engine's alias rule would
   otherwise take for the marked input itself. Decided by the running graph task, not by the alias's shape. (What
   torch's selective-checkpoint cache keeps is routed before this rule: `sac.state.pending`.)
+- Saves inside a decoder layer the layer budget keeps on the device (`keep_last_layers`, `offload_fraction`) under a
+  policy that picks saved tensors ("all", "sac", callables): a tensor an earlier layer marked (rotary cos/sin) would
+  otherwise get a copy of its own there, since each save copies its own bytes (docs/design.md, "Copy sharing").
 - ZeRO-3 parameters (DeepSpeed tags them with `ds_id`) and tensors that alias one: gathered for a module's forward,
   full-shape, and freed after it; a detached alias shares the gathered storage, which the scope's parameter-storage
   set (read at entry, when ZeRO-3 partitions are empty) cannot know. Policies that pick saved tensors ("all", "sac",
@@ -35,6 +38,7 @@ class PassthroughStats:
 
     backward_saves: int = 0  # saved while a backward graph task ran (never offloaded, never matched as marked)
     zero3_parameters: int = 0  # ZeRO-3 parameters or aliases of one that a policy would have offloaded
+    kept_layer_saves: int = 0  # saved inside a layer the layer budget keeps (policies that pick saved tensors)
 
 
 class PassthroughCounters:

@@ -124,6 +124,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         owned_by_tree = owned_by_cudagraph_tree
         is_marked = engine.is_marked
         pack_sac_kept = self._pack_sac_kept
+        tracker = self.layer_tracker
 
         def pack_hook(x: torch.Tensor) -> Any:
             probe = capture.capture_probe()  # None where the engine tells capture itself (torch >= 2.13)
@@ -135,6 +136,13 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             if in_backward():  # never a new marked save, whatever it aliases (hsoffload.passthrough)
                 bump("backward_saves")
                 return BackwardSave(x)
+            if select is not None:
+                visit = tracker.current
+                if visit is not None and not visit.offload:
+                    # A layer the layer budget keeps on the device: nothing it saves moves, a tensor an earlier layer
+                    # marked included (each save copies its own bytes: it would be a new copy in this layer).
+                    bump("kept_layer_saves")
+                    return BackwardSave(x)
             if type(x) in plain:
                 if select is not None and type(x) is torch.Tensor and select(x):
                     engine.mark(x)

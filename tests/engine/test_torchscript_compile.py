@@ -68,8 +68,9 @@ def test_torchscript_mark_survives_dce_and_offloads(cls, cpu_scope_kwargs):
     loss, grads, stats = _grads(module, scripted, x, cpu_scope_kwargs)
     assert torch.equal(loss, ref_loss)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
-    # h is saved by mul and by the Linear's backward: one mark, one host copy, one restore per save.
-    assert stats.marked_tensors == 1 and stats.offloaded_tensors == 1
+    # h is saved by mul and by the Linear's backward: one mark, one host copy per saving node (each save restores the
+    # bytes it had at its own save), one restore per save.
+    assert stats.marked_tensors == 1 and stats.offloaded_tensors == 2
     assert stats.restored_tensors >= stats.marked_tensors
 
 
@@ -149,7 +150,11 @@ def test_torchscript_models_offload_on_every_step_without_the_python_package(tmp
     for kind in ("script", "trace"):
         grads, offloaded = runs["offload"][kind]
         reference, _ = runs["plain"][kind]
-        assert offloaded == [3] * 6, f"{kind}: tensors offloaded per step {offloaded}"
+        # One copy per block and saving node (each save restores its own bytes): a traced graph replays the eager ops,
+        # whose two nodes save each block's input; the profiling executor's first run does too, its optimised
+        # differentiable graph from the second step on saves it once.
+        expected = [6] * 6 if kind == "trace" else [6] + [3] * 5
+        assert offloaded == expected, f"{kind}: tensors offloaded per step {offloaded}"
         assert len(grads) == len(reference)
         for i, (a, b) in enumerate(zip(grads, reference)):
             assert torch.equal(a, b), f"{kind}: gradient {i} (step {i // 7}) differs from the run without offload"

@@ -112,9 +112,10 @@ class CheckpointHiddenStatesOffload(OffloadScope):
 
     def _engine_stats(self) -> OffloadStats:
         engine = from_engine(OffloadStats, self._scope.stats())
-        # Saves made during backward stay in the shim (hsoffload.passthrough) and never reach the engine; Axolotl's
-        # module counts every tensor its pack hook sees, so they count here too.
-        seen = engine.saved_tensors_seen + self.passthrough_stats.backward_saves
+        # Saves made during backward or in a kept layer stay in the shim (hsoffload.passthrough) and never reach the
+        # engine; Axolotl's module counts every tensor its pack hook sees, so they count here too.
+        kept = self.passthrough_stats
+        seen = engine.saved_tensors_seen + kept.backward_saves + kept.kept_layer_saves
         return dataclasses.replace(engine, saved_tensors_seen=seen)
 
     @property
