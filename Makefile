@@ -9,7 +9,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 COMPILE_CHECK_TORCH ?= 2.11.0 2.14.1
 
-.PHONY: all venv build install test test-cpp compile-check test-torch214 test-twin test-axolotl test-install mutation-check demo bench gpu-check clean
+.PHONY: all venv build install test test-fast test-cpp compile-check test-torch214 test-twin test-axolotl test-install mutation-check demo bench gpu-check clean
 
 all: test
 
@@ -33,9 +33,17 @@ install: $(STAMP)
 
 build: install
 
+# Every test. The compile check against other torch releases' headers (two CUDA wheels to fetch, two builds: about
+# 3 minutes) is a build check, not a test: .ci/run runs it right after this.
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
-	$(MAKE) compile-check
+
+# The edit-run loop (about 2 minutes on 2 cores once built): every test but those marked slow (tests/conftest.py,
+# SLOW: process launches, documented commands, real-width traces), then the emulated device's stream rules. `make
+# test` runs everything.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+	HSOFFLOAD_EMU_CHILD=1 $(PY) -m pytest -q -p no:cacheprovider tests/device/emu/test_stream_rules.py
 
 # The library must build against every torch from 2.11 to 2.14 (CPU and CUDA wheels):
 # compile against the headers of the releases we do not run the tests with.

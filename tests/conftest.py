@@ -17,7 +17,57 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+# What only the full run (`make test`) needs: the tests that launch processes (2-rank torchrun, child pytests, the
+# documented shell commands, the CLI's benchmarks, the C++ build) or trace real widths. `make test-fast` (pytest -m
+# "not slow") leaves them out and still touches every module: the engine's concepts in process, the patch, each
+# integration's in-process tests, the planner. Node-id prefixes, measured with `pytest --durations` (docs/benchmarks.md,
+# "Test suite").
+SLOW = (
+    "tests/device/test_emu_device.py::test_emulated_device_suite",  # the whole emulated-device suite, in a child
+    "tests/engine/test_cpp_engine.py::",  # builds and runs the C++ engine tests
+    "tests/engine/test_core.py::test_thousand_steps_flat",  # a leak check over many steps
+    "tests/engine/test_policies_compile.py::test_regional_inductor_every_policy",  # inductor compiles
+    "tests/engine/test_policies_compile.py::test_regional_sac_offloads",
+    "tests/engine/test_policies_compile.py::test_layer_compile_in_place",
+    "tests/engine/test_policies_compile.py::test_whole_model_compile",
+    "tests/engine/test_policies_compile.py::test_regional_compile_with_reentrant",
+    "tests/engine/test_spill.py::test_disk_full_mid_step",  # child processes
+    "tests/engine/test_spill.py::test_kill_9",
+    "tests/engine/test_tensor_kinds.py::test_warnings_",  # child processes
+    "tests/engine/test_torchscript_compile.py::test_torchscript_models_offload_on_every_step",  # 2 child processes
+    "tests/integrations/test_composition.py::",  # 2-rank torchrun
+    "tests/integrations/test_deepspeed.py::",  # 2-rank torchrun
+    "tests/integrations/test_dtensor.py::test_two_ranks",
+    "tests/integrations/test_fsdp.py::test_two_ranks",
+    "tests/integrations/test_fsdp.py::test_fsdp2_two_ranks",
+    "tests/integrations/test_fsdp.py::test_rank_failing_during_load",
+    "tests/integrations/test_transformers_matrix.py::",  # a child pytest under another transformers
+    "tests/integrations/test_zero3_loading.py::test_parameters_and_loss_equal_stock",  # these share one 2-rank launch
+    "tests/integrations/test_zero3_loading.py::test_rank1_receives",
+    "tests/integrations/test_zero3_loading.py::test_rank0_is_the_source",
+    "tests/integrations/test_zero3_loading.py::test_verify_compared",
+    "tests/integrations/test_zero3_loading.py::test_mismatched_checkpoint",
+    "tests/integrations/test_zero3_loading.py::test_a_failure",
+    "tests/integrations/test_zero3_loading.py::test_ignore_mismatched",
+    "tests/integrations/test_zero3_loading.py::test_verify_names",
+    "tests/engine/test_loader.py::test_mismatched_build_is_refused",  # child processes
+    "tests/engine/test_loader.py::test_missing_library_names_places",
+    "tests/tooling/test_cli.py::test_bench_gpu_suite_refuses",  # child processes
+    "tests/tooling/test_cli.py::test_demo_does_not_import",
+    "tests/tooling/test_cli.py::test_demo_on_cpu",
+    "tests/tooling/test_cli.py::test_bench_cpu_quick_json",
+    "tests/tooling/test_cli.py::test_bench_disk_quick",
+    "tests/tooling/test_cli.py::test_plan_and_bench_arguments_are_checked",
+    "tests/tooling/test_doc_commands.py::",  # every documented command, as a shell would run it
+    "tests/tooling/test_plan.py::test_real_width_moe_peak",  # FakeTensorMode traces at real width
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow = pytest.mark.slow
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none on this machine)")
