@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+
 import hsoffload
 from hsoffload import OffloadScope
+from support.rewrites import STALE_CASES, two_saves
 
 mark = torch.ops.hsoffload.mark_hidden_state
 
@@ -530,10 +532,6 @@ def test_exiting_scopes_out_of_order_is_refused_naming_both(cpu_scope_kwargs):
     a.exit()
 
 
-# The three ways one storage's bytes can reach two saves with a write between them that bumps no version counter
-# (`.data`, a kernel writing through a raw pointer): two separate slices, the two halves of one chunk(), the whole
-# output and then one half.
-STALE_CASES = ("slices", "chunk", "whole_then_half")
 
 
 def _rewritten_between_saves(case: str, hooks: str, scope_kwargs: dict | None = None) -> tuple[torch.Tensor, ...]:
@@ -546,13 +544,7 @@ def _rewritten_between_saves(case: str, hooks: str, scope_kwargs: dict | None = 
     w = torch.randn(32, 96, requires_grad=True)
 
     def run() -> None:
-        base = x @ w
-        if case == "whole_then_half":
-            first, second = base, base[:, 48:]
-        elif case == "chunk":
-            first, second = base.chunk(2, dim=1)
-        else:
-            first, second = base[:, :48], base[:, 48:]
+        first, second = two_saves(x @ w, case)
         y1 = mark(first).sin()  # first saved: its record copies the whole storage (it spans >= 3/4 of it)
         second.data.mul_(2.0)
         y2 = mark(second).cos()  # second saved, with its new bytes

@@ -17,6 +17,7 @@ import hsemu
 import hsoffload
 from hsoffload import OffloadScope
 from support.device_model import Block  # the model every device test shares
+from support.rewrites import STALE_CASES, two_saves
 
 mark = torch.ops.hsoffload.mark_hidden_state
 
@@ -348,7 +349,7 @@ def test_sibling_chunks_share_one_copy_and_one_restore(dev, share_copies):
     assert s.restored_tensors == 2 and s.restored_bytes == copies * fused_bytes, s  # one restore for both consumers
 
 
-@pytest.mark.parametrize("case", ["slices", "chunk", "whole_then_half"])
+@pytest.mark.parametrize("case", STALE_CASES)
 def test_a_rewrite_between_saves_restores_what_each_save_had(dev, case):
     """One fused output saved twice, its second half rewritten through `.data` (no version bump, as a kernel writing
     into a preallocated buffer does) between the saves: two separate slices, the halves of one chunk(), the whole
@@ -359,13 +360,7 @@ def test_a_rewrite_between_saves_restores_what_each_save_had(dev, case):
     w0 = torch.randn(32, 96, device=dev, requires_grad=True)
 
     def step(x: torch.Tensor, w: torch.Tensor, scope: OffloadScope | None) -> None:
-        base = x @ w
-        if case == "whole_then_half":
-            first, second = base, base[:, 48:]
-        elif case == "chunk":
-            first, second = base.chunk(2, dim=1)
-        else:
-            first, second = base[:, :48], base[:, 48:]
+        first, second = two_saves(x @ w, case)
         y1 = (scope.mark(first) if scope else first).sin()
         if case == "whole_then_half":
             # The write lands in bytes the first save holds: the contract covers bytes not written after their own
