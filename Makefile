@@ -7,6 +7,8 @@ PIP := $(PY) -m pip
 TORCH_REQ ?= requirements/torch.txt
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
+# pytest-xdist workers for make test and make test-fast (auto: one per core)
+TEST_WORKERS ?= auto
 COMPILE_CHECK_TORCH ?= 2.11.0 2.14.1
 
 .PHONY: all venv build install test test-fast test-cpp compile-check test-torch214 test-twin test-axolotl test-install mutation-check demo bench gpu-check clean
@@ -27,22 +29,24 @@ $(STAMP): requirements/dev.txt requirements/deepspeed.txt $(TORCH_REQ)
 
 venv: $(STAMP)
 
-# Build and install the package (CMake through scikit-build-core) into .venv.
+# Build and install the package (CMake through scikit-build-core) into .venv. The build folder is kept (build/pkg:
+# an edit rebuilds what changed) at the same depth as the test builds (build/cpp-tests, build/emu-*), so that ccache
+# (CMakeLists.txt) finds their common compilations, in this checkout and in any other clone.
 install: $(STAMP)
-	$(PIP) install -q --no-build-isolation --no-deps .
+	$(PIP) install -q --no-build-isolation --no-deps -C build-dir=build/pkg .
 
 build: install
 
 # Every test. The compile check against other torch releases' headers (two CUDA wheels to fetch, two builds: about
 # 3 minutes) is a build check, not a test: .ci/run runs it right after this.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The edit-run loop (about 2 minutes on 2 cores once built): every test but those marked slow (tests/conftest.py,
 # SLOW: process launches, documented commands, real-width traces), then the emulated device's stream rules. `make
 # test` runs everything.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	HSOFFLOAD_EMU_CHILD=1 $(PY) -m pytest -q -p no:cacheprovider tests/device/emu/test_stream_rules.py
 
 # The library must build against every torch from 2.11 to 2.14 (CPU and CUDA wheels):
@@ -75,7 +79,8 @@ $(VENV214)/.deps-stamp: requirements/dev.txt
 
 test-torch214: $(VENV214)/.deps-stamp
 	$(VENV214)/bin/python -m pip install -q --no-build-isolation --no-deps -C build-dir=build/torch214 .
-	PATH="$(abspath $(VENV214))/bin:$$PATH" $(VENV214)/bin/python -m pytest -q tests/engine/test_core.py \
+	PATH="$(abspath $(VENV214))/bin:$$PATH" $(VENV214)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+		tests/engine/test_core.py \
 		tests/engine/test_torchscript_compile.py tests/engine/test_loader.py tests/engine/test_policies.py \
 		tests/engine/test_policies_compile.py tests/engine/test_capture.py tests/engine/test_reserve.py \
 		tests/engine/test_spill.py tests/integrations/test_transformers_models.py tests/integrations/test_patch.py \
@@ -86,7 +91,8 @@ test-torch214: $(VENV214)/.deps-stamp
 # driver), transformers 5.17.0, accelerate and peft, no trl and no axolotl (requirements/twin.txt), in a venv of its
 # own. The whole suite (what needs trl/axolotl skips with its reason), then `make gpu-check`'s script as the GPU
 # machine runs it (no network: scripts/twin_gpu_check.sh), every step of its summary required to end ok.
-# .ci/run calls it after test-torch214.
+# .ci/run calls it after test-torch214. The suite here is the fast loop (every module; `make test` runs the slow
+# tests under torch 2.13) and the emulated device's whole suite, the GPU path's stand-in, under the GPU's torch.
 VENVTWIN ?= .venv-twin
 TWIN_PYTHON ?= $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || \
 	PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep -m1 '^3\.12') python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null)
@@ -100,7 +106,10 @@ $(VENVTWIN)/.deps-stamp: requirements/twin.txt
 test-twin: $(VENVTWIN)/.deps-stamp
 	PATH="$(abspath $(VENVTWIN))/bin:$$PATH" $(VENVTWIN)/bin/python -m pip install -q --no-build-isolation --no-deps \
 		-C build-dir=build/twin .
-	PATH="$(abspath $(VENVTWIN))/bin:$$PATH" $(VENVTWIN)/bin/python -m pytest -q -rs -p no:cacheprovider $(TWIN_PYTEST_ARGS)
+	PATH="$(abspath $(VENVTWIN))/bin:$$PATH" $(VENVTWIN)/bin/python -m pytest -q -rs -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(TWIN_PYTEST_ARGS)
+	PATH="$(abspath $(VENVTWIN))/bin:$$PATH" $(VENVTWIN)/bin/python -m pytest -q -rs -p no:cacheprovider \
+		-n $(TEST_WORKERS) tests/device/test_emu_device.py
 	PATH="$(abspath $(VENVTWIN))/bin:$$PATH" bash scripts/twin_gpu_check.sh $(abspath $(VENVTWIN))/bin/python
 
 # The Axolotl leg of CI: the newest Axolotl that resolves with torch 2.13.0, in a venv of its own, hsoffload built
@@ -115,7 +124,8 @@ $(VENVAX)/.deps-stamp: requirements/axolotl.txt
 test-axolotl: $(VENVAX)/.deps-stamp
 	PATH="$(abspath $(VENVAX))/bin:$$PATH" $(VENVAX)/bin/python -m pip install -q --no-build-isolation --no-deps \
 		-C build-dir=build/axolotl .
-	PATH="$(abspath $(VENVAX))/bin:$$PATH" $(VENVAX)/bin/python -m pytest -q -p no:cacheprovider tests/axolotl_ci
+	PATH="$(abspath $(VENVAX))/bin:$$PATH" $(VENVAX)/bin/python -m pytest -q -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadgroup tests/axolotl_ci
 
 demo: install
 	$(VENV)/bin/hsoffload demo

@@ -5,6 +5,7 @@ Puts tests/ on sys.path so that every suite, whatever its folder, imports the sh
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,12 @@ import hsoffload  # noqa: F401  (loads the op library once for every test)
 
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Under pytest-xdist (`make test`: one worker per core) each worker computes on one thread: intra-op threads of two
+# workers spinning on the same cores made the suite slower, not faster. Offload on vs off is compared within one
+# process, so the thread count is the same on both sides of every comparison.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 # What only the full run (`make test`) needs: the tests that launch processes (2-rank torchrun, child pytests, the
@@ -63,11 +70,24 @@ SLOW = (
 )
 
 
+# Modules whose tests share one expensive module fixture (a 2-rank launch that runs every case): under pytest-xdist
+# (`make test` runs `-n auto --dist loadgroup`) each is sent whole to one worker, so that its launch happens once.
+ONE_WORKER = (
+    "tests/integrations/test_composition.py",
+    "tests/integrations/test_deepspeed.py",
+    "tests/integrations/test_zero3_loading.py",
+    "tests/axolotl_ci/test_upstream.py",  # the Axolotl leg: one download of Axolotl's sources for both tests
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow = pytest.mark.slow
     for item in items:
         if item.nodeid.startswith(SLOW):
             item.add_marker(slow)
+        module = item.nodeid.split("::", 1)[0]
+        if module in ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(module))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none on this machine)")

@@ -91,7 +91,6 @@ def _mark_layer_inputs(scope: OffloadScope, layer: torch.nn.Module, args: tuple,
     return args
 
 
-@torch._dynamo.disable
 def _begin_compiled_layer(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     """`_begin_layer` for a decoder layer whose __call__ torch.compile traces: run eagerly, in a graph break at the
     layer's start, so the mark applies to the real input tensor the compiled graph saves."""
@@ -104,12 +103,16 @@ def _begin_compiled_layer(layer: torch.nn.Module, args: tuple, kwargs: dict) -> 
     return scope, visit, args, kwargs
 
 
-@torch._dynamo.disable
 def _end_compiled_layer(scope: OffloadScope, visit: Any) -> None:
     scope.layer_tracker.end(visit)
 
 
 def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callable[..., Any]:
+    # Both run eagerly in a graph break. Made here, at patch time, not with a decorator at import: importing dynamo
+    # costs about 1.2 s that every `import hsoffload` (the planner's CLI, each worker process) would pay.
+    begin_compiled_layer = torch._dynamo.disable(_begin_compiled_layer)
+    end_compiled_layer = torch._dynamo.disable(_end_compiled_layer)
+
     @functools.wraps(previous)
     def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not patch.active or not self.training or not torch.is_grad_enabled():
@@ -121,10 +124,10 @@ def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callabl
                 return previous(self, *args, **kwargs)  # no graph break while no scope is active (dynamo guards it)
             # No try/finally here: a graph break inside one makes dynamo run the whole frame eagerly. A call that
             # raises leaves its visit open until the scope's exit resets it.
-            scope, visit, args, kwargs = _begin_compiled_layer(self, args, kwargs)
+            scope, visit, args, kwargs = begin_compiled_layer(self, args, kwargs)
             out = previous(self, *args, **kwargs)
             if visit is not None:
-                _end_compiled_layer(scope, visit)
+                end_compiled_layer(scope, visit)
             return out
         # Every policy, and outside scopes too (a selective checkpoint's policy may ask for CPU offload)
         _sac.wrap_checkpoint_fn(self)

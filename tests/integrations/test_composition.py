@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 
-from support.launch import torchrun_env
+from support import launch
 from support import composition as C
 from support import composition_worker as W  # the case lists (importing it imports neither DeepSpeed nor TRL)
 
@@ -67,12 +65,9 @@ def _cases() -> list[str]:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every case that can run here, in one torchrun launch; rank 0's and rank 1's results."""
     out = tmp_path_factory.mktemp("composition")
-    env = torchrun_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           "--out-dir", str(out), "--cases", ",".join(_cases())]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    proc = launch.two_ranks(WORKER, ["--out-dir", str(out), "--cases", ",".join(_cases())], timeout=480)
+    assert proc.returncode == 0, launch.tail(proc)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     results[0]["_wall_s"] = time.perf_counter() - t0
     return results
@@ -291,11 +286,9 @@ def _cuda_devices() -> int:
 def test_context_parallel_fsdp2_ring_attention(tmp_path: Path) -> None:
     """accelerate `ParallelismConfig(cp_size=2)` with FSDP2 and torch's ring attention (sdpa), 2 GPUs (nccl): each rank
     offloads its own sequence shard, bit for bit against the same run without offload."""
-    env = torchrun_env(deepspeed=False)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           "--out-dir", str(tmp_path), "--cases", "cp_fsdp2", "--backend", "nccl"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    proc = launch.two_ranks(WORKER, ["--out-dir", str(tmp_path), "--cases", "cp_fsdp2", "--backend", "nccl"],
+                            timeout=480, deepspeed=False)
+    assert proc.returncode == 0, launch.tail(proc)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     results = _case(ranks, "cp_fsdp2")
     for res in results:

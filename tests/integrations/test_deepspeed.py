@@ -15,8 +15,6 @@ import importlib.util
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ import hsoffload
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "deepspeed_worker.py"
-from support.launch import torchrun_env
+from support import launch
 from support import deepspeed_worker as W  # the case list and sizes (importing it does not import DeepSpeed)
 
 
@@ -47,12 +45,9 @@ needs_deepspeed = pytest.mark.skipif(bool(_deepspeed_missing()), reason=_deepspe
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("deepspeed")
-    env = torchrun_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           "--out-dir", str(out)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    proc = launch.two_ranks(WORKER, ["--out-dir", str(out)], timeout=480)
+    assert proc.returncode == 0, launch.tail(proc)
     r0 = json.loads((out / "rank0.json").read_text())
     r0["_wall_s"] = time.perf_counter() - t0
     return r0

@@ -83,23 +83,14 @@ def test_two_ranks_mark_a_dtensor_with_the_op_the_function_or_the_scope(tmp_path
     state is marked, its later save through a non-reentrant checkpoint offloads the local shard on every rank,
     bitwise."""
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    import hsoffload
+    from support import launch
 
     worker = Path(__file__).resolve().parents[1] / "support" / "dtensor_worker.py"
-    env = dict(os.environ)
-    env.pop("LOCAL_RANK", None)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(hsoffload.__file__).resolve().parents[1])] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker)]
-    proc = subprocess.run(cmd + ["--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    proc = launch.two_ranks(worker, ["--out-dir", str(tmp_path)], timeout=240, deepspeed=False)
     written = sorted(p.name for p in tmp_path.glob("rank*.json"))
-    assert proc.returncode == 0, f"results written: {written}\n" + proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert proc.returncode == 0, f"results written: {written}\n" + launch.tail(proc)
     for rank in (0, 1):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert {r["marker"] for r in results} == {"op", "function", "scope.mark"} and len(results) == 9

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import torch
 import hsoffload  # noqa: F401  (loads the op library)
 import hsoffload.fsdp as hf
 from hsoffload.stats import InitSkipStats, from_engine, names
+from support import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "fsdp_worker.py"
@@ -61,22 +60,21 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _torchrun(out: Path, checkpoint: Path, pythonpath_first: Path | None = None, *extra: str,
               **env: str) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ)
-    full_env.pop("LOCAL_RANK", None)
-    # The workers import hsoffload as this process does (installed package or python_shim).
-    paths = [str(Path(hsoffload.__file__).resolve().parents[1])]
-    if pythonpath_first is not None:
-        paths.insert(0, str(pythonpath_first))
-    if full_env.get("PYTHONPATH"):
-        paths.append(full_env["PYTHONPATH"])
-    full_env["PYTHONPATH"] = os.pathsep.join(paths)
-    full_env.update(env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER)]
-    cmd += ["--model-dir", str(checkpoint), "--out-dir", str(out)]
+    args = ["--model-dir", str(checkpoint), "--out-dir", str(out)]
     if env.get("HSOFFLOAD_TEST_FAIL_RANK"):
-        cmd.append("--skip-stock")
-    cmd += list(extra)
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=240)
+        args.append("--skip-stock")
+    return launch.two_ranks(WORKER, [*args, *extra], timeout=240, deepspeed=False, pythonpath_first=pythonpath_first,
+                            env=env)
+
+
+@pytest.fixture(scope="module")
+def installed_run(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Path:
+    """One launch with the installed transformers for two tests: the loading (stock, then patched) and then 3 steps of
+    FSDP2 training under hidden-state offload."""
+    out = tmp_path_factory.mktemp("fsdp_installed")
+    proc = _torchrun(out, checkpoint, None, "--train-steps", "3")
+    assert proc.returncode == 0, launch.tail(proc)
+    return out
 
 
 def _versions() -> list:
@@ -92,10 +90,15 @@ def _versions() -> list:
 
 
 @pytest.mark.parametrize("tf_path", _versions())
-def test_two_ranks_skip_init_then_broadcast(tmp_path: Path, checkpoint: Path, tf_path: Path | None) -> None:
-    proc = _torchrun(tmp_path, checkpoint, tf_path)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+def test_two_ranks_skip_init_then_broadcast(tmp_path: Path, checkpoint: Path, tf_path: Path | None,
+                                            request: pytest.FixtureRequest) -> None:
+    if tf_path is None:
+        out = request.getfixturevalue("installed_run")
+    else:
+        out = tmp_path
+        proc = _torchrun(out, checkpoint, tf_path)
+        assert proc.returncode == 0, launch.tail(proc)
+    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     major = int(r0["transformers"].split(".")[0])
     if tf_path == TF53:
         assert r0["transformers"] == "5.3.0" and r0["upstream_fix"] is False
@@ -133,12 +136,10 @@ def test_two_ranks_skip_init_then_broadcast(tmp_path: Path, checkpoint: Path, tf
     assert r0["grad_finite"] and r1["grad_finite"]
 
 
-def test_fsdp2_two_ranks_train_with_offload_and_ram_efficient_loading(tmp_path: Path, checkpoint: Path) -> None:
+def test_fsdp2_two_ranks_train_with_offload_and_ram_efficient_loading(installed_run: Path) -> None:
     """Both features together, as Axolotl users run long context on several GPUs: RAM-efficient loading, FSDP2
     (`fully_shard`), non-reentrant checkpointing and hidden-state offload, 3 AdamW steps on 2 ranks (gloo)."""
-    proc = _torchrun(tmp_path, checkpoint, None, "--skip-stock", "--train-steps", "3")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text())["train"] for r in (0, 1))
+    r0, r1 = (json.loads((installed_run / f"rank{r}.json").read_text())["train"] for r in (0, 1))
     assert r0["losses"] == r1["losses"]  # the same batch on both ranks, gradients averaged
     for r in (r0, r1):
         assert r["losses"] == r["fsdp_no_offload_losses"]  # offload only moves bytes: bitwise

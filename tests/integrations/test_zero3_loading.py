@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ import pytest
 import torch
 
 import hsoffload  # noqa: F401  (the op library: torch.classes.hsoffload below)
-from support.launch import torchrun_env
+from support import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "zero3_loading_worker.py"
@@ -57,20 +55,17 @@ needs_deepspeed = pytest.mark.skipif(bool(_deepspeed_missing()), reason=_deepspe
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[tuple[str, bool], dict[str, Any]]]:
     out = tmp_path_factory.mktemp("zero3_loading")
-    env = torchrun_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           "--out-dir", str(out), "--plan", PLAN, "--warmup", "--verify"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = launch.two_ranks(WORKER, ["--out-dir", str(out), "--plan", PLAN, "--warmup", "--verify"], timeout=300)
     results: dict[int, dict[tuple[str, bool], dict[str, Any]]] = {}
     for rank in (0, 1):
         path = out / f"rank{rank}.json"
-        assert path.exists(), proc.stdout[-4000:] + proc.stderr[-8000:]
+        assert path.exists(), launch.tail(proc)
         loads = json.loads(path.read_text())
         for r in loads:
             assert "error" not in r, f"rank {rank} {r['kind']} patched={r['patched']} raised:\n{r['error']}"
         results[rank] = {(r["kind"], r["patched"]): r for r in loads}
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert proc.returncode == 0, launch.tail(proc)
     print(f"\nzero3 loading launch: {time.perf_counter() - t0:.1f} s")
     return results
 

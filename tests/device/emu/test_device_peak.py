@@ -92,23 +92,28 @@ def _measure(family: str, seq: int, mode: str, dev: torch.device, dtype: str, at
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(3, 512, (1, seq)).to(dev)
-    peak = 0
-    for _ in range(2):
-        hsemu.synchronize()
-        hsemu.reset_peak()
-        with _scope(model, mode) as scope:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        hsemu.synchronize()
-        peak = hsemu.stats()["peak_allocated_bytes"]
-        if scope is not None:  # it engaged: tensors went to the host and came back, each copied back once
-            s = scope.stats
-            assert s.offloaded_tensors > 0 and s.restored_tensors >= s.offloaded_tensors, s
-            assert s.restored_bytes == s.offloaded_bytes, s
-    return peak
+    # The measured step is a run's second: what the first leaves on the device is the parameters and AdamW's moments
+    # (gradients set to None), made here by one optimizer step on zero gradients instead of a whole first step, at half
+    # the time. Measured 2026-12-06 over all 81 rows: dense models the same peak to the byte; MoE rows within 1.3 %
+    # (the expert loop's routing follows the weights, which a real first step moves); worst errors unchanged.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    hsemu.synchronize()
+    hsemu.reset_peak()
+    with _scope(model, mode) as scope:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    del loss
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    hsemu.synchronize()
+    if scope is not None:  # it engaged: tensors went to the host and came back, each copied back once
+        s = scope.stats
+        assert s.offloaded_tensors > 0 and s.restored_tensors >= s.offloaded_tensors, s
+        assert s.restored_bytes == s.offloaded_bytes, s
+    return hsemu.stats()["peak_allocated_bytes"]
 
 
 def _predict(family: str, seq: int, mode: str, tmp_path: Path, dtype: str, attn: str) -> dict[str, Any]:
