@@ -9,7 +9,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 # pytest-xdist workers for make test and make test-fast (auto: one per core)
 TEST_WORKERS ?= auto
-COMPILE_CHECK_TORCH ?= 2.11.0 2.14.1
+COMPILE_CHECK_TORCH ?= 2.12.0
 
 .PHONY: all venv build install test test-fast test-cpp compile-check test-torch214 test-twin test-axolotl test-install mutation-check demo bench gpu-check clean
 
@@ -49,8 +49,8 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	HSOFFLOAD_EMU_CHILD=1 $(PY) -m pytest -q -p no:cacheprovider tests/device/emu/test_stream_rules.py
 
-# The library must build against every torch from 2.11 to 2.14 (CPU and CUDA wheels):
-# compile against the headers of the releases we do not run the tests with.
+# The library must build against every torch from 2.11 to 2.14 (CPU and CUDA wheels): compile against the headers
+# of the releases no leg builds (2.12; the legs build 2.11, 2.13 and 2.14.1). Any list: COMPILE_CHECK_TORCH="2.11.0 2.12.0".
 compile-check: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/compile_check.sh $(PY) $(COMPILE_CHECK_TORCH)
 
@@ -72,9 +72,9 @@ test-cpp: $(STAMP)
 # The torch 2.14 leg of the CI matrix: the same suites against the torch 2.14.1 wheel (a CUDA build,
 # run on the CPU), in a venv of its own. .ci/run calls it after `make test`.
 VENV214 ?= .venv-torch214
-$(VENV214)/.deps-stamp: requirements/dev.txt
+$(VENV214)/.deps-stamp: requirements/torch214.txt requirements/dev.txt
 	test -x $(VENV214)/bin/python || $(PYTHON) -m venv $(VENV214)
-	$(VENV214)/bin/python -m pip install -q torch==2.14.1 -r requirements/dev.txt
+	$(VENV214)/bin/python -m pip install -q -r requirements/torch214.txt
 	touch $@
 
 test-torch214: $(VENV214)/.deps-stamp

@@ -70,7 +70,7 @@ def test_every_documented_command_is_run() -> None:
     assert set(RUN_ONLY) | _SHOWN_COMMANDS == set(COMMANDS) and _SHOWN_COMMANDS <= set(COMMANDS)
 
 
-@pytest.mark.parametrize("doc, command", RUN_ONLY, ids=[f"{d}:{c[:40]}" for d, c in RUN_ONLY])
+@pytest.mark.parametrize("doc, command", RUN_ONLY, ids=[f"{d}:{c}" for d, c in RUN_ONLY])
 def test_documented_command_runs_as_written(doc: str, command: str, tmp_path: Path) -> None:
     out = _run(command)
     assert out.returncode == 0, f"{doc}: `{command}` exited {out.returncode}:\n{(out.stdout + out.stderr)[-3000:]}"
@@ -80,7 +80,7 @@ def test_docs_show_outputs() -> None:
     assert any(command.startswith("hsoffload plan") for _, command, _ in SHOWN), "no shown plan output found"
 
 
-@pytest.mark.parametrize("doc, command, shown", SHOWN, ids=[f"{d}:{c[:40]}" for d, c, _ in SHOWN])
+@pytest.mark.parametrize("doc, command, shown", SHOWN, ids=[f"{d}:{c}" for d, c, _ in SHOWN])
 def test_documented_output_is_what_the_command_prints(doc: str, command: str, shown: str) -> None:
     out = _run(command)
     assert out.returncode == 0, f"{doc}: `{command}` exited {out.returncode}:\n{(out.stdout + out.stderr)[-3000:]}"
