@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import datetime
 import faulthandler
-import json
 import logging
 import os
 import sys
@@ -331,10 +330,9 @@ def main() -> int:
         except Exception:  # one case's failure is reported; the others still run (both ranks run the same code)
             results[name] = {"error": traceback.format_exc()}
         dist.barrier()
-    with open(os.path.join(a.out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f, default=str)
-    dist.barrier()
-    dist.destroy_process_group()
+    from worker_exit import finish  # a sibling module: torchrun puts this folder first on sys.path
+
+    finish(a.out_dir, rank, results, default=str)
     return 0
 
 

@@ -14,7 +14,6 @@ import argparse
 import datetime
 import faulthandler
 import hashlib
-import json
 import os
 import time
 from typing import Any
@@ -283,10 +282,9 @@ def main() -> int:
     if a.train_steps:
         result["train"] = _train_with_offload(a.model_dir, ref.vocab_size, a.train_steps)
 
-    with open(os.path.join(a.out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    from worker_exit import finish  # a sibling module: torchrun puts this folder first on sys.path
+
+    finish(a.out_dir, rank, result)
     return 0
 
 

@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from proc_memory import rss_mib
-from worker_exit import leave
+from worker_exit import finish, leave
 
 DS_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 1,
@@ -352,12 +352,9 @@ def main() -> int:
             results.append({"kind": kind, "patched": variant == "patched", "error": traceback.format_exc()})
             rc = 1
             break
-    with open(os.path.join(a.out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f, indent=1)
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k not in ("digest", "stats")}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(a.out_dir, rank, results, indent=1)
     leave(rc)
 
 
