@@ -37,12 +37,12 @@ install: $(STAMP)
 
 build: install
 
-# Every test. The compile check against other torch releases' headers (two CUDA wheels to fetch, two builds: about
-# 3 minutes) is a build check, not a test: .ci/run runs it right after this.
+# Every test, on one pytest-xdist worker per core (about 6 minutes on 2 cores once built; docs/benchmarks.md, "Test
+# suite"). The compile check against another torch release's headers is a build check, not a test: .ci/run runs it.
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-# The edit-run loop (about 2 minutes on 2 cores once built): every test but those marked slow (tests/conftest.py,
+# The edit-run loop (about 1 minute on 2 cores once built): every test but those marked slow (tests/conftest.py,
 # SLOW: process launches, documented commands, real-width traces), then the emulated device's stream rules. `make
 # test` runs everything.
 test-fast: install
@@ -55,8 +55,9 @@ compile-check: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/compile_check.sh $(PY) $(COMPILE_CHECK_TORCH)
 
 # The documented install paths, as written, in fresh environments with only torch (README, docs/axolotl.md).
+# The main venv's bin goes last on PATH: nothing of it shadows the fresh environments, but CMake finds its ccache.
 test-install:
-	bash scripts/install_check.sh $(PYTHON)
+	PATH="$$PATH:$(abspath $(VENV))/bin" bash scripts/install_check.sh $(PYTHON)
 
 # Proof that the emulated-device tests (tests/device/emu) catch every missing stream/event rule: deletes each rule's
 # line in a scratch copy of csrc/, rebuilds, reruns tests/device/emu (30-90 s a mutation on 2 cores; not part of CI).
