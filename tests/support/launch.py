@@ -30,7 +30,7 @@ def extensions_cache() -> Path:
     return base / "hsoffload" / "torch_extensions" / tag
 
 
-def torchrun_env(deepspeed: bool = True, pythonpath_first: Optional[Path] = None) -> dict[str, str]:
+def _launch_env(deepspeed: bool = True, pythonpath_first: Optional[Path] = None) -> dict[str, str]:
     """This process's environment for a launch: `pythonpath_first` (another transformers, say) ahead of the package."""
     env = dict(os.environ)
     for key in _RENDEZVOUS:
@@ -52,7 +52,7 @@ def two_ranks(worker: Path, args: Sequence[str], *, timeout: float, deepspeed: b
               pythonpath_first: Optional[Path] = None, env: Optional[dict[str, str]] = None
               ) -> subprocess.CompletedProcess[str]:
     """Run `worker` on 2 ranks under torchrun and wait (output captured). `env` adds variables to the launch's."""
-    full_env = torchrun_env(deepspeed, pythonpath_first)
+    full_env = _launch_env(deepspeed, pythonpath_first)
     full_env.update(env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker),
            *args]
