@@ -30,6 +30,9 @@ def Stack() -> LinearStack:  # noqa: N802  (the model's name in these tests)
 
 @pytest.fixture
 def fresh_pool():
+    # The pool limit follows the host budget, whatever a test before this one in the process set (test_core's
+    # max_pool_bytes test restores the number it read, which is explicit from then on).
+    hsoffload.set_pool_limit(-1)
     hsoffload.empty_pool()
     yield
     hsoffload.set_pool_limit(-1)  # follow the host budget again, as by default

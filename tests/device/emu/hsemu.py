@@ -11,6 +11,7 @@ tests/device/emu in a child pytest (tests/device/test_emu_device.py).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -50,14 +51,18 @@ def build() -> Path:
     cmake = _tool("cmake")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     generator = ["-G", "Ninja"] if shutil.which("ninja", path=env["PATH"]) else []
-    if not (build_dir / "CMakeCache.txt").exists():
-        subprocess.run(
-            [cmake, "-S", str(ROOT), "-B", str(build_dir), *generator, "-DHSOFFLOAD_BUILD_EMU=ON",
-             f"-DHSOFFLOAD_PYTHON={sys.executable}"],
-            check=True, capture_output=True, text=True, env=env,
-        )
-    built = subprocess.run([cmake, "--build", str(build_dir), "--target", "hsoffload_emu"], capture_output=True,
-                           text=True, env=env)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # One build at a time: the suite's children (tests/device/test_emu_device.py) start side by side under xdist.
+    with open(build_dir.parent / f"{build_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (build_dir / "CMakeCache.txt").exists():
+            subprocess.run(
+                [cmake, "-S", str(ROOT), "-B", str(build_dir), *generator, "-DHSOFFLOAD_BUILD_EMU=ON",
+                 f"-DHSOFFLOAD_PYTHON={sys.executable}"],
+                check=True, capture_output=True, text=True, env=env,
+            )
+        built = subprocess.run([cmake, "--build", str(build_dir), "--target", "hsoffload_emu"], capture_output=True,
+                               text=True, env=env)
     if built.returncode != 0:
         raise RuntimeError(f"hsemu: building the emulated device failed:\n{built.stdout[-4000:]}{built.stderr[-4000:]}")
     return build_dir / "libhsoffload_emu.so"
