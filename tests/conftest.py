@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -65,13 +66,15 @@ SLOW = (
     "tests/tooling/test_cli.py::test_bench_cpu_quick_json",
     "tests/tooling/test_cli.py::test_bench_disk_quick",
     "tests/tooling/test_cli.py::test_plan_and_bench_arguments_are_checked",
+    "tests/tooling/test_suite_scheduling.py::",  # a child pytest with two workers
     "tests/tooling/test_doc_commands.py::",  # every documented command, as a shell would run it
     "tests/tooling/test_plan.py::test_real_width_moe_peak",  # FakeTensorMode traces at real width
 )
 
 
 # Modules whose tests share one expensive module fixture (a 2-rank launch that runs every case): under pytest-xdist
-# (`make test` runs `-n auto --dist loadgroup`) each is sent whole to one worker, so that its launch happens once.
+# (`make test` runs `-n auto --dist loadgroup`) each is sent whole to one worker, so that its launch happens once
+# (tests/support/scheduling.py says how, and why not with xdist_group marks).
 ONE_WORKER = (
     "tests/integrations/test_composition.py",
     "tests/integrations/test_deepspeed.py",
@@ -80,14 +83,18 @@ ONE_WORKER = (
 )
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from support.scheduling import make_scheduler
+
+    return make_scheduler(config, log, ONE_WORKER)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow = pytest.mark.slow
     for item in items:
         if item.nodeid.startswith(SLOW):
             item.add_marker(slow)
-        module = item.nodeid.split("::", 1)[0]
-        if module in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(module))
     # The slow tests first (stable otherwise): the workers start on the long ones and end on short ones together,
     # instead of one worker finishing a 20-second trace alone.
     items.sort(key=lambda item: not item.nodeid.startswith(SLOW))

@@ -6,6 +6,7 @@ works in every suite, in the child pytests of tests/device/emu and the transform
   subclasses     tensor subclasses (a wrapper subclass) for the tensor-kind and corpus suites
   device_model   the checkpointed models every device test runs (emulated device and GPU alike)
   waits          polling with a deadline for work on other threads (spill writes)
+  scheduling     how `make test` spreads the suite over pytest-xdist workers (one per shared 2-rank launch)
 Scripts (run by path in a fresh process, under torchrun or plain python; they import nothing from this package):
   fsdp_worker    one rank of tests/integrations/test_fsdp.py
   dtensor_worker one rank of the 2-process test in tests/integrations/test_dtensor.py
