@@ -18,6 +18,7 @@ import torch
 
 from . import workloads as common
 from .workloads import LlamaShape, SavedBytesTimeline, pyplot
+from .targets import enable_checkpointing
 
 logger = logging.getLogger("hsoffload")
 
@@ -82,7 +83,7 @@ def run_demo(
     plain = common.build_model(shape, seed=seed, device=device)
     offl = common.build_model(shape, seed=seed, device=device)
     for m in (plain, offl):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(m, {"use_reentrant": False})
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     opt_offl = torch.optim.AdamW(offl.parameters(), lr=1e-3)
     scope = hsoffload.offload_hidden_states(offl, offload_cpu_tensors=device.type == "cpu")

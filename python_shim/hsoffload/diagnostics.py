@@ -12,7 +12,13 @@ import torch
 
 from ._logging import log_once
 from .policy import Policy, marks_layer_inputs
-from .targets import checkpoint_function, checkpoint_wrapper_class, layer_class, uses_reentrant
+from .targets import (
+    checkpoint_function,
+    checkpoint_wrapper_class,
+    checkpointing_enable_name,
+    layer_class,
+    uses_reentrant,
+)
 
 
 # Set once a bypass reason was logged in this process: the scope's "none was marked" warning (which advises marking
@@ -42,16 +48,17 @@ def bypass_reason(layer: torch.nn.Module) -> Optional[str]:
             f"its gradient checkpointing function is DeepSpeed's ({module}.{qualname}), which keeps the layer inputs "
             "on its own autograd context instead of autograd's saved tensors, so no saved-tensor hook (hsoffload's "
             "included) ever sees them and nothing is offloaded; checkpoint with torch's instead: "
-            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) and do not "
+            f"model.{checkpointing_enable_name()}(...) with {{'use_reentrant': False}} and do not "
             "pass deepspeed.checkpointing.checkpoint as gradient_checkpointing_func (ZeRO stages work unchanged "
             "with torch's checkpoint), or drop hsoffload and use DeepSpeed's own activation_checkpointing "
             "cpu_checkpointing"
         )
-    if "gradient_checkpointing_enable" in qualname and "<locals>" in qualname:
-        # transformers >= 5.x `gradient_checkpointing_enable(offload=True)`: the checkpoint runs
-        # under torch's save_on_cpu, an inner saved-tensor hook that takes every input first.
+    if "checkpointing_enable" in qualname and "<locals>" in qualname:
+        # transformers >= 5.x `gradient_checkpointing_enable(offload=True)` (5.23: `activation_checkpointing_enable`,
+        # its function made in `_activation_checkpointing_enable`): the checkpoint runs under torch's save_on_cpu, an
+        # inner saved-tensor hook that takes every input first.
         return (
-            "gradient checkpointing was enabled with offload=True, whose save_on_cpu hook already moves every "
+            "checkpointing was enabled with offload=True, whose save_on_cpu hook already moves every "
             "checkpoint input to host and hides them from hsoffload; enable checkpointing without offload=True"
         )
     return None
@@ -65,9 +72,10 @@ def report_inactive(layer: torch.nn.Module) -> bool:
             f"nockpt:{name}",
             logging.WARNING,
             "hsoffload: %s runs without gradient checkpointing (checkpointing off, or every_n_layers > 1 skips "
-            "it), so its hidden states are not offloaded; call model.gradient_checkpointing_enable(), or use "
+            "it), so its hidden states are not offloaded; call model.%s(), or use "
             "policy='all', which offloads the saved activations of layers that are not checkpointed.",
             name,
+            checkpointing_enable_name(),
         )
         return True
     reason = bypass_reason(layer)
@@ -75,6 +83,17 @@ def report_inactive(layer: torch.nn.Module) -> bool:
         _report_bypass(name, reason)
         return True
     return False
+
+
+def report_checkpoint_not_reached(layer: torch.nn.Module) -> None:
+    log_once(
+        f"noreach:{type(layer).__name__}",
+        logging.WARNING,
+        "hsoffload: %s was to be offloaded but its call never reached its checkpoint function "
+        "(layer._gradient_checkpointing_func), so nothing of it was offloaded; a subclass or wrapper that calls the "
+        "layer's unwrapped forward bypasses transformers' checkpoint (and so hsoffload): call the layer itself.",
+        type(layer).__name__,
+    )
 
 
 def report_missing_hidden_states(layer: torch.nn.Module) -> None:
@@ -172,8 +191,9 @@ def check_model(model: torch.nn.Module, policy: Policy = "hidden_states") -> int
             f"nockptmodel:{type(model).__name__}",
             logging.WARNING,
             "hsoffload: gradient checkpointing is off on every layer of %s; call "
-            "model.gradient_checkpointing_enable() for hidden-state offload to take effect.",
+            "model.%s() for hidden-state offload to take effect.",
             type(model).__name__,
+            checkpointing_enable_name(),
         )
     bypassed = [m for m in checkpointed if bypass_reason(m) is not None]
     if bypassed:

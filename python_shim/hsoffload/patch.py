@@ -6,6 +6,12 @@ and passed on *positionally*: transformers binds keyword arguments into a `funct
 only positional tensors reach the checkpoint's saved tensors (and so the offload hooks). Each call
 is one visit of the scope's `LayerTracker` (layer budget, prefetch group, per-layer counters).
 
+Where the mark is applied follows where transformers checkpoints (targets.layer_checkpoints_in_forward):
+4.57-5.22 checkpoint in `__call__` itself, module hooks inside the checkpoint, so the input is
+marked on entry; >= 5.23 checkpoint inside the wrapped `forward`, after the module's pre-forward
+hooks, so the mark is applied to what the layer's checkpoint function receives (a hook may have
+replaced the input). Under torch.compile the mark stays on entry (in a graph break).
+
 torch.distributed's `CheckpointWrapper` (FSDP activation checkpointing) checkpoints a decoder layer
 from outside its `__call__`; its `forward` is patched the same way when it wraps a
 GradientCheckpointingLayer.
@@ -36,7 +42,7 @@ from .current import current_scope
 from .diagnostics import check_model
 from .policy import marks_layer_inputs
 from .scope import OffloadScope
-from .targets import checkpoint_wrapper_class, first_param_is_hidden_states, layer_class
+from .targets import checkpoint_wrapper_class, first_param_is_hidden_states, layer_checkpoints_in_forward, layer_class
 
 logger = logging.getLogger("hsoffload")
 
@@ -66,29 +72,66 @@ def _pass_hidden_states_first(layer: torch.nn.Module, args: tuple, kwargs: dict,
     return args
 
 
-def _begin_layer(scope: OffloadScope, layer: torch.nn.Module, args: tuple, kwargs: dict, compiled: bool) -> tuple:
+def _begin_layer(scope: OffloadScope, layer: torch.nn.Module, args: tuple, kwargs: dict, compiled: bool,
+                 at_checkpoint: bool = False) -> tuple:
     """Start a decoder-layer call in `scope`: open its prefetch group and counters, mark what the policy marks.
-    Returns (visit, args); `kwargs` may lose its hidden_states to args."""
+    Returns (visit, args, due); `kwargs` may lose its hidden_states to args. With `at_checkpoint` the mark is not
+    applied here but left `due` for the layer's checkpoint call (`_call_marking_at_checkpoint`)."""
     visit = scope.layer_tracker.begin(layer, compiled, checkpointed=bool(getattr(layer, "gradient_checkpointing", False)))
     try:
-        return visit, _mark_layer_inputs(scope, layer, args, kwargs, visit, compiled)
+        args, due = _mark_layer_inputs(scope, layer, args, kwargs, visit, compiled, at_checkpoint)
+        return visit, args, due
     except BaseException:
         scope.layer_tracker.end(visit)
         raise
 
 
 def _mark_layer_inputs(scope: OffloadScope, layer: torch.nn.Module, args: tuple, kwargs: dict, visit: Any,
-                       compiled: bool) -> tuple:
+                       compiled: bool, at_checkpoint: bool) -> tuple[tuple, bool]:
     policy = scope.config.policy
     if not marks_layer_inputs(policy):
-        return _pass_hidden_states_first(layer, args, kwargs, mark=False)
+        return _pass_hidden_states_first(layer, args, kwargs, mark=False), False
     if not visit.offload or getattr(layer, _IN_CHECKPOINT_WRAPPER, False) or diagnostics.report_inactive(layer):
-        return args
+        return args, False
     if policy == "sac" and not compiled and not _sac.wrap_checkpoint_fn(layer):
         diagnostics.report_sac_without_context(layer)
-    args = _pass_hidden_states_first(layer, args, kwargs, mark=True)
+    args = _pass_hidden_states_first(layer, args, kwargs, mark=not at_checkpoint)
     diagnostics.report_reentrant_without_grad(layer, args)
-    return args
+    return args, at_checkpoint
+
+
+def _call_marking_at_checkpoint(previous: Callable[..., Any], layer: torch.nn.Module, args: tuple,
+                                kwargs: dict) -> Any:
+    """Run the layer with its checkpoint function marking the hidden_states it is given.
+
+    transformers >= 5.23 checkpoints inside the layer's `forward`, after `Module.__call__` ran the module's pre-forward
+    hooks; a hook that replaces the input (FSDP2's `cast_forward_inputs`, accelerate's device alignment) would
+    otherwise hand the checkpoint a tensor that was never marked, and nothing would be offloaded. So the mark goes on
+    what the checkpoint receives: the layer's `_gradient_checkpointing_func` (an instance attribute transformers sets)
+    is swapped for this call only and restored after it (a layer is not called from two threads at once)."""
+    checkpoint_fn = layer.__dict__.get("_gradient_checkpointing_func")
+    if checkpoint_fn is None:
+        diagnostics.report_missing_hidden_states(layer)
+        return previous(layer, *args, **kwargs)
+    reached = False
+
+    def mark_then_checkpoint(function: Callable[..., Any], *cargs: Any, **ckwargs: Any) -> Any:
+        nonlocal reached
+        reached = True
+        if cargs and isinstance(cargs[0], torch.Tensor):
+            cargs = (torch.ops.hsoffload.mark_hidden_state(cargs[0]),) + cargs[1:]
+        else:
+            diagnostics.report_missing_hidden_states(layer)
+        return checkpoint_fn(function, *cargs, **ckwargs)
+
+    layer.__dict__["_gradient_checkpointing_func"] = mark_then_checkpoint
+    try:
+        out = previous(layer, *args, **kwargs)
+    finally:
+        layer.__dict__["_gradient_checkpointing_func"] = checkpoint_fn
+    if not reached:
+        diagnostics.report_checkpoint_not_reached(layer)
+    return out
 
 
 def _begin_compiled_layer(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -99,7 +142,7 @@ def _begin_compiled_layer(layer: torch.nn.Module, args: tuple, kwargs: dict) -> 
         return None, None, args, kwargs
     kwargs = dict(kwargs)
     diagnostics.report_compiled_layer(layer)
-    visit, args = _begin_layer(scope, layer, args, kwargs, compiled=True)
+    visit, args, _ = _begin_layer(scope, layer, args, kwargs, compiled=True)
     return scope, visit, args, kwargs
 
 
@@ -112,6 +155,7 @@ def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callabl
     # costs about 1.2 s that every `import hsoffload` (the planner's CLI, each worker process) would pay.
     begin_compiled_layer = torch._dynamo.disable(_begin_compiled_layer)
     end_compiled_layer = torch._dynamo.disable(_end_compiled_layer)
+    at_checkpoint = layer_checkpoints_in_forward()  # where this transformers runs the checkpoint (targets.py)
 
     @functools.wraps(previous)
     def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -136,7 +180,9 @@ def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callabl
             return previous(self, *args, **kwargs)
         visit = None
         try:
-            visit, args = _begin_layer(scope, self, args, kwargs, compiled=False)
+            visit, args, due = _begin_layer(scope, self, args, kwargs, compiled=False, at_checkpoint=at_checkpoint)
+            if due:
+                return _call_marking_at_checkpoint(previous, self, args, kwargs)
             return previous(self, *args, **kwargs)
         finally:
             if visit is not None:

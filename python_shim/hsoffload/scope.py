@@ -31,6 +31,7 @@ from .policy import Selector, policy_name, track_module_names
 from . import sac
 from .sac import SacHandle, pack_sac_value, take_pending
 from .stats import OffloadStats, SpillStats, from_engine
+from .targets import checkpointing_enable_name as _checkpointing_enable_name
 
 logger = logging.getLogger("hsoffload")
 
@@ -401,8 +402,9 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             logger.warning(
                 "hsoffload: an offload scope saw %d saved tensors but none was marked, so nothing was offloaded. "
                 "Mark hidden states with torch.ops.hsoffload.mark_hidden_state, or call hsoffload.patch() and "
-                "enable gradient checkpointing on a transformers model (model.gradient_checkpointing_enable()).",
+                "enable checkpointing on a transformers model (model.%s()).",
                 stats.saved_tensors_seen,
+                _checkpointing_enable_name(),
             )
 
     def mark(self, x: torch.Tensor) -> torch.Tensor:

@@ -65,3 +65,42 @@ def uses_reentrant(layer: torch.nn.Module) -> bool:
     if func is not torch.utils.checkpoint.checkpoint:
         return False
     return keywords.get("use_reentrant") in (True, None)  # torch's default is reentrant
+
+
+def layer_checkpoints_in_forward() -> bool:
+    """Whether transformers checkpoints a decoder layer inside its `forward` (>= 5.23: `__init_subclass__` wraps each
+    subclass's `forward`, so module hooks run outside the checkpoint) rather than in `GradientCheckpointingLayer.__call__`
+    (4.57-5.22: the checkpoint wraps `Module.__call__`, hooks included). Read from the class's own `__init_subclass__`,
+    which hsoffload's `__call__` patch does not touch."""
+    return "__init_subclass__" in layer_class().__dict__
+
+
+def checkpointing_enable_name() -> str:
+    """The method a user of the installed transformers calls to checkpoint a model: `activation_checkpointing_enable`
+    (>= 5.23; the `gradient_*` names warn there and go in v6) or `gradient_checkpointing_enable` (also without
+    transformers: the name is only quoted in messages then)."""
+    try:
+        if hasattr(pretrained_model_class(), "activation_checkpointing_enable"):
+            return "activation_checkpointing_enable"
+    except ImportError:
+        pass
+    return "gradient_checkpointing_enable"
+
+
+def enable_checkpointing(model: torch.nn.Module, checkpoint_kwargs: Optional[dict[str, Any]] = None,
+                         **kwargs: Any) -> None:
+    """Checkpoint `model`'s layers through the installed transformers' own method, by its current name (no deprecation
+    warning on 5.23, still works on 4.57). `checkpoint_kwargs` go to torch's checkpoint; `kwargs` (`offload=`,
+    `every_n_layers=`) to transformers."""
+    name = checkpointing_enable_name()
+    keyword = "activation_checkpointing_kwargs" if name == "activation_checkpointing_enable" else (
+        "gradient_checkpointing_kwargs")
+    getattr(model, name)(**{keyword: checkpoint_kwargs}, **kwargs)
+
+
+def disable_checkpointing(model: torch.nn.Module) -> None:
+    """`enable_checkpointing`'s inverse, by the installed transformers' current name."""
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hsoffload
 from hsoffload import OffloadScope
+from hsoffload.targets import enable_checkpointing
 from support.device_model import Block  # the model every device test shares
 
 pytestmark = pytest.mark.gpu
@@ -214,7 +215,7 @@ def _cuda_llama_pair(hidden: int, intermediate: int, max_positions: int, attn: s
 def test_transformers_llama_on_gpu():
     ref, off = _cuda_llama_pair(128, 256, 512)
     for m in (ref, off):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(m, {"use_reentrant": False})
     ids = torch.randint(0, 256, (2, 256), device="cuda")
     la = ref(input_ids=ids, labels=ids).loss
     la.backward()

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from support import hf_tiny as H
 import hsoffload
 from hsoffload._logging import forget_logged
+from hsoffload.targets import enable_checkpointing
 
 FAMILIES = ("llama", "qwen3", "mistral")
 aten = torch.ops.aten
@@ -296,11 +297,8 @@ def _cpu_offload_checkpointing(model: torch.nn.Module, offload: set, save: set, 
             return CheckpointPolicy.MUST_CPU_OFFLOAD
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={
-            "use_reentrant": False,
-            "context_fn": functools.partial(create_selective_checkpoint_contexts, policy),
-        }
+    enable_checkpointing(
+        model, {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
     )
     model.train()
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import hsoffload
+from hsoffload.targets import enable_checkpointing
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "deepspeed_worker.py"
@@ -245,7 +246,7 @@ def test_deepspeed_checkpoint_function_is_named_with_what_to_do(
     monkeypatch.setattr(diagnostics, "_bypass_reported", threading.Event())
     monkeypatch.setattr(scope_mod, "_warned_unmarked", threading.Event())
     model = H.tiny_model()
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
     with caplog.at_level(logging.WARNING, logger="hsoffload"):
         _, _, stats = H.train_steps(model, H.batches(1), offload=True, steps=1)

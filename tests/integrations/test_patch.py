@@ -16,21 +16,53 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from support import hf_tiny as H
 import hsoffload
 from hsoffload._logging import forget_logged
+from hsoffload.targets import checkpointing_enable_name, enable_checkpointing
 
 hpatch = importlib.import_module("hsoffload.patch")  # the package attribute `patch` is the function
 
 SCOPE = {"offload_cpu_tensors": True, "min_offload_size": 0}
 
 
+# transformers 4.57-5.22 define GradientCheckpointingLayer.__call__ (the checkpoint wraps Module.__call__); 5.23
+# checkpoints a wrapped `forward` and leaves `__call__` to nn.Module: the class has none of its own, and hsoffload's
+# patch installs one there (removed again by unpatch). The tests below run on both forms (the main venv has 5.23,
+# the matrix's 4.57 child and the twin's 5.17 the other), comparing the class's own attribute, ABSENT included.
+ABSENT = "no __call__ of its own"
+FORWARD_FORM = "__init_subclass__" in GradientCheckpointingLayer.__dict__
+
+
+def own_call() -> Any:
+    return GradientCheckpointingLayer.__dict__.get("__call__", ABSENT)
+
+
+def set_own_call(value: Any) -> None:
+    """What a library that saved `own_call()` does to put it back."""
+    if value is ABSENT:
+        if "__call__" in GradientCheckpointingLayer.__dict__:
+            del GradientCheckpointingLayer.__call__
+    else:
+        GradientCheckpointingLayer.__call__ = value
+
+
+def test_this_transformers_has_the_layer_form_it_is_known_by() -> None:
+    """The form is read from the class (hsoffload.targets), never from a version number: pin what each has."""
+    import transformers
+    from packaging.version import Version
+
+    assert FORWARD_FORM == (Version(transformers.__version__).release >= (5, 23))
+    assert (own_call() is ABSENT) == FORWARD_FORM
+    assert hpatch.layer_checkpoints_in_forward() == FORWARD_FORM
+
+
 @pytest.fixture(autouse=True)
 def pristine() -> Iterator[Any]:
     """Each test starts unpatched with fresh log-once state, and leaves the class as it found it."""
     hsoffload.unpatch()
-    original = GradientCheckpointingLayer.__dict__["__call__"]
+    original = own_call()
     assert not getattr(original, "_hsoffload_patched", False)
     forget_logged()
     yield original
-    GradientCheckpointingLayer.__call__ = original
+    set_own_call(original)
     hpatch.LAYER_CALL.forget()
 
 
@@ -75,19 +107,19 @@ def foreign_patch(calls: list[str], tag: str) -> Any:
 
 def test_patch_is_idempotent(pristine: Any) -> None:
     hsoffload.patch()
-    installed = GradientCheckpointingLayer.__dict__["__call__"]
+    installed = own_call()
     hsoffload.patch()
     hsoffload.patch()
-    assert GradientCheckpointingLayer.__dict__["__call__"] is installed
+    assert own_call() is installed
     assert hsoffload.is_patched()
     assert run_layer(tiny_layer()).offloaded_tensors == 1  # marked once, not once per patch() call
 
 
 def test_unpatch_restores_exactly(pristine: Any) -> None:
     hsoffload.patch()
-    assert GradientCheckpointingLayer.__dict__["__call__"] is not pristine
+    assert own_call() is not pristine
     assert hsoffload.unpatch() is True
-    assert GradientCheckpointingLayer.__dict__["__call__"] is pristine
+    assert own_call() is pristine
     assert not hsoffload.is_patched()
     assert hsoffload.unpatch() is False  # nothing left to undo
     assert run_layer(tiny_layer()).marked_tensors == 0
@@ -95,9 +127,9 @@ def test_unpatch_restores_exactly(pristine: Any) -> None:
 
 def test_wrapper_keeps_identity_of_the_wrapped_call(pristine: Any) -> None:
     hsoffload.patch()
-    installed = GradientCheckpointingLayer.__dict__["__call__"]
-    assert installed.__wrapped__ is pristine
-    assert installed.__name__ == "__call__"
+    installed = own_call()
+    assert installed.__wrapped__ is (torch.nn.Module.__call__ if pristine is ABSENT else pristine)
+    assert installed.__name__ == installed.__wrapped__.__name__  # "__call__"; nn.Module's is "_wrapped_call_impl"
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -120,17 +152,17 @@ def test_chains_through_a_patch_installed_before(pristine: Any) -> None:
     calls: list[str] = []
     foreign = foreign_patch(calls, "foreign")
     hsoffload.patch()
-    assert GradientCheckpointingLayer.__dict__["__call__"] is not foreign
+    assert own_call() is not foreign
     assert run_layer(tiny_layer()).offloaded_tensors == 1
     assert calls == ["foreign"]
     assert hsoffload.unpatch() is True
-    assert GradientCheckpointingLayer.__dict__["__call__"] is foreign  # theirs, exactly
+    assert own_call() is foreign  # theirs, exactly
 
 
 def test_chains_under_a_patch_installed_after(pristine: Any, caplog: pytest.LogCaptureFixture) -> None:
     calls: list[str] = []
     hsoffload.patch()
-    ours = GradientCheckpointingLayer.__dict__["__call__"]
+    ours = own_call()
     foreign = foreign_patch(calls, "foreign")
     assert hsoffload.is_patched()
     assert run_layer(tiny_layer()).offloaded_tensors == 1
@@ -139,26 +171,26 @@ def test_chains_under_a_patch_installed_after(pristine: Any, caplog: pytest.LogC
     with caplog.at_level(logging.WARNING, logger="hsoffload"):
         assert hsoffload.unpatch() is False  # cannot take ours out of their chain ...
     assert "patched again after hsoffload" in caplog.text
-    assert GradientCheckpointingLayer.__dict__["__call__"] is foreign  # ... and never removes theirs
+    assert own_call() is foreign  # ... and never removes theirs
     assert not hsoffload.is_patched()
     assert run_layer(tiny_layer()).marked_tensors == 0  # ours is a pass-through now
     assert calls == ["foreign", "foreign"]
 
     hsoffload.patch()  # re-activates ours instead of stacking a second wrapper
-    assert GradientCheckpointingLayer.__dict__["__call__"] is foreign
+    assert own_call() is foreign
     assert run_layer(tiny_layer()).offloaded_tensors == 1
 
-    GradientCheckpointingLayer.__call__ = ours  # the foreign library reverts itself
+    set_own_call(ours)  # the foreign library reverts itself
     assert hsoffload.unpatch() is True
-    assert GradientCheckpointingLayer.__dict__["__call__"] is pristine
+    assert own_call() is pristine
 
 
 def test_forgets_a_patch_someone_else_removed(pristine: Any) -> None:
     hsoffload.patch()
-    GradientCheckpointingLayer.__call__ = pristine  # e.g. a library restoring what it saw before us
+    set_own_call(pristine)  # e.g. a library restoring what it saw before us
     assert not hsoffload.is_patched()
     hsoffload.patch()
-    assert GradientCheckpointingLayer.__dict__["__call__"] is not pristine
+    assert own_call() is not pristine
     assert run_layer(tiny_layer()).offloaded_tensors == 1
 
 
@@ -233,9 +265,9 @@ def test_reentrant_without_grad_input_is_reported(caplog: pytest.LogCaptureFixtu
 
 def test_transformers_offload_flag_is_reported(caplog: pytest.LogCaptureFixture) -> None:
     model = H.tiny_model("llama")
-    if "offload" not in inspect.signature(model.gradient_checkpointing_enable).parameters:
-        pytest.skip("this transformers has no gradient_checkpointing_enable(offload=...)")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+    if "offload" not in inspect.signature(getattr(model, checkpointing_enable_name())).parameters:
+        pytest.skip(f"this transformers has no {checkpointing_enable_name()}(offload=...)")
+    enable_checkpointing(model, {"use_reentrant": False}, offload=True)
     with caplog.at_level(logging.WARNING, logger="hsoffload"):
         assert hsoffload.check_model(model) == 0
         assert hsoffload.check_model(model) == 0

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from hsoffload.targets import enable_checkpointing
+
 # Sizes: every case trains STEPS optimizer steps of BATCH x SEQ tokens through LAYERS decoder layers of width HIDDEN.
 LAYERS = 2
 SEQ = 16
@@ -40,7 +42,7 @@ def tiny_model(attn: str = "sdpa", seed: int = 0, reentrant: bool = False) -> to
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(attn))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_checkpointing(model, {"use_reentrant": reentrant})
     model.train()
     return model
 

@@ -103,7 +103,9 @@ def _build_model(case: Case, ds_config: dict[str, Any]) -> torch.nn.Module:
     else:
         model = transformers.AutoModelForCausalLM.from_config(config)
     if case.reentrant is not None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": case.reentrant})
+        from hsoffload.targets import enable_checkpointing
+
+        enable_checkpointing(model, {"use_reentrant": case.reentrant})
     if case.detached_weight_alias:
         for layer in model.model.layers:
             layer.mlp.down_proj.register_forward_hook(_save_detached_weight_alias)

@@ -197,10 +197,11 @@ def _train_with_offload(path: str, vocab: int, steps: int) -> dict[str, Any]:
     import transformers
 
     import hsoffload.fsdp as hf
+    from hsoffload.targets import enable_checkpointing
 
     g = torch.Generator().manual_seed(7)
     batches = [torch.randint(3, vocab, (2, 16), generator=g) for _ in range(steps)]  # the same on every rank
-    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    ckpt = {"use_reentrant": False}
     runs: dict[str, list[float]] = {}
     stats: list[Any] = []
     report = None
@@ -213,7 +214,7 @@ def _train_with_offload(path: str, vocab: int, steps: int) -> dict[str, Any]:
         if name == "offload":
             report = hf.last_report()
         model = _fsdp2_from_rank0(model)
-        model.gradient_checkpointing_enable(**kwargs)
+        enable_checkpointing(model, ckpt)
         model.train()
         runs[name], s = _steps(model, batches, offload=name == "offload")
         stats = stats or s

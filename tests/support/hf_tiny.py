@@ -12,6 +12,7 @@ import torch
 import transformers
 
 import hsoffload
+from hsoffload.targets import enable_checkpointing as enable_model_checkpointing
 
 VOCAB = 128
 LAYERS = 3
@@ -61,7 +62,7 @@ def tiny_model(family: str = "llama", seed: int = 0, layers: int = LAYERS) -> to
 
 
 def enable_checkpointing(model: torch.nn.Module, reentrant: bool) -> None:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_model_checkpointing(model, {"use_reentrant": reentrant})
     model.train()
 
 
@@ -155,10 +156,7 @@ def enable_sac(model: torch.nn.Module, ops: Optional[set] = None, counter: Optio
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={
-            "use_reentrant": False,
-            "context_fn": functools.partial(create_selective_checkpoint_contexts, policy),
-        }
+    enable_model_checkpointing(
+        model, {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
     )
     model.train()

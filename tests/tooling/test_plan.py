@@ -16,6 +16,7 @@ from support import hf_tiny as H
 import hsoffload
 from hsoffload import plan
 from hsoffload.cli import main
+from hsoffload.targets import enable_checkpointing
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -266,7 +267,7 @@ def test_plan_sac_and_layer_budget_match_a_real_run(tmp_path: Path, capsys: pyte
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     model = H.tiny_model("llama", layers=layers)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+    enable_checkpointing(model, {
         "use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, sac)})
     model.train()
     ids = torch.randint(3, H.VOCAB, (batch, seq))
@@ -527,7 +528,7 @@ def _fake_step_peak(cfg: "transformers.PretrainedConfig", seq: int, checkpointin
             torch.set_default_dtype(default)
         model.train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model, {"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
         ids = torch.randint(0, cfg.vocab_size, (1, seq))
         # The measured step is a run's second: what the first leaves is the parameters and AdamW's moments (its

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .. import plan
+from ..targets import enable_checkpointing
 
 logger = logging.getLogger("hsoffload")
 
@@ -92,7 +93,7 @@ def _measure(config: Path, seq: int, method: str, device: torch.device) -> tuple
     experts = getattr(model.config, "_experts_implementation", None) if data.get("num_experts") else None
     try:
         model.train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, {"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         ids = torch.randint(3, cfg.vocab_size, (1, seq), device=device)
         peak = 0

@@ -16,6 +16,8 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
+from ..targets import checkpointing_enable_name, disable_checkpointing, enable_checkpointing
+
 logger = logging.getLogger("hsoffload")
 
 _CKPT_KWARGS = {"use_reentrant": False}
@@ -39,13 +41,13 @@ class Method:
         return True, ""
 
     def setup(self, model: torch.nn.Module) -> None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_CKPT_KWARGS))
+        enable_checkpointing(model, dict(_CKPT_KWARGS))
 
     def context(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
 
     def teardown(self, model: torch.nn.Module) -> None:
-        model.gradient_checkpointing_disable()
+        disable_checkpointing(model)
 
     def counters(self) -> dict[str, Any]:
         """Method-specific counters after the run (bytes offloaded and the like)."""
@@ -116,18 +118,19 @@ class SaveOnCpu(Method):
 
 class TransformersOffload(Method):
     name = "transformers_offload"
-    description = "model.gradient_checkpointing_enable(offload=True): save_on_cpu(pin_memory=True) around each checkpoint"
+    description = "model.activation_checkpointing_enable(offload=True) (gradient_* before 5.23): save_on_cpu around each checkpoint"
 
     def available(self) -> tuple[bool, str]:
         try:
             from transformers import PreTrainedModel
         except ImportError:
             return False, "transformers not installed"
-        params = inspect.signature(PreTrainedModel.gradient_checkpointing_enable).parameters
+        name = checkpointing_enable_name()
+        params = inspect.signature(getattr(PreTrainedModel, name)).parameters
         if "offload" not in params:
             import transformers
 
-            return False, f"transformers {transformers.__version__} has no gradient_checkpointing_enable(offload=)"
+            return False, f"transformers {transformers.__version__} has no {name}(offload=)"
         if _accelerator() is None:
             # save_on_cpu(pin_memory=True, device_type="cpu") raises at the first saved tensor on a
             # CPU-only torch ("pin_memory=True requires a CUDA or other accelerator backend").
@@ -135,7 +138,7 @@ class TransformersOffload(Method):
         return True, ""
 
     def setup(self, model: torch.nn.Module) -> None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_CKPT_KWARGS), offload=True)
+        enable_checkpointing(model, dict(_CKPT_KWARGS), offload=True)
 
 
 class TrlOffloadActivations(Method):

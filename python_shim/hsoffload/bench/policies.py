@@ -23,6 +23,7 @@ import torch
 
 from .. import workloads as common
 from ..workloads import LlamaShape, Progress, median
+from ..targets import disable_checkpointing, enable_checkpointing
 
 logger = logging.getLogger("hsoffload")
 
@@ -41,13 +42,11 @@ def _sac_context_fn() -> Callable[[], Any]:
 
 
 def _checkpointing(model: torch.nn.Module, setup: str) -> None:
-    model.gradient_checkpointing_disable()
+    disable_checkpointing(model)
     if setup == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, {"use_reentrant": False})
     elif setup == "sac":
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": _sac_context_fn()}
-        )
+        enable_checkpointing(model, {"use_reentrant": False, "context_fn": _sac_context_fn()})
 
 
 class _Row:
@@ -192,7 +191,7 @@ def run(quick: bool, progress: Progress, device: Optional[torch.device] = None, 
     import hsoffload
 
     hsoffload.unpatch()
-    model.gradient_checkpointing_disable()
+    disable_checkpointing(model)
     out = []
     base = {r.setup: median(r.times) for r in rows if r.note.startswith("baseline") and r.times}
     for row in rows:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .. import workloads as common
+from ..targets import enable_checkpointing
 
 logger = logging.getLogger("hsoffload")
 
@@ -47,7 +48,7 @@ def run(path: str, device: Optional[torch.device] = None, layers: int = 4, seq: 
     model = common.build_model(
         shape, seed=0, device=device, dtype=dtype, causal_lm=device.type == "cpu", attn_implementation="sdpa"
     )
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False})
     batch = common.make_batch(shape, 1, seq, seed=1, device=device, labels=device.type == "cpu")
     scope = hsoffload.offload_hidden_states(model, offload_cpu_tensors=device.type == "cpu", min_offload_size=0)
     common.train_step(model, batch, scope)  # warm-up: the traced step is a steady one

@@ -27,6 +27,7 @@ import transformers
 import hsemu
 import hsoffload
 from hsoffload import plan
+from hsoffload.targets import enable_checkpointing
 
 FUSED = "hsemu_fused"
 
@@ -89,7 +90,7 @@ def _measure(family: str, seq: int, mode: str, dev: torch.device, dtype: str, at
     assert model.config._attn_implementation == ("sdpa" if attn == "math" else FUSED)
     model.train()
     if mode not in NO_CHECKPOINTING:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, {"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(3, 512, (1, seq)).to(dev)
     # The measured step is a run's second: what the first leaves on the device is the parameters and AdamW's moments
@@ -173,7 +174,7 @@ def test_offload_saving_matches_the_allocator(dev: torch.device, tmp_path: Path,
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(cfg).to(dev)
             model.train()
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model, {"use_reentrant": False})
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             ids = torch.randint(3, 2048, (1, seq)).to(dev)
             for _ in range(2):

@@ -1,0 +1,140 @@
+"""Module hooks that replace a decoder layer's input, on both forms of transformers' checkpointing layer.
+
+transformers 4.57-5.22 checkpoint `Module.__call__` (the module's hooks run inside the checkpoint, which saves the
+layer's input as it was called); 5.23 checkpoints the layer's wrapped `forward` (hooks outside: the checkpoint saves
+what the hooks returned). Either way the tensor the checkpoint saves must be the marked one, or it silently stays on
+the device. Bit-for-bit comparisons cannot see that (an unmarked input is kept, correctly), so every test here
+counts the bytes each layer offloaded against the bytes of the tensor its checkpoint saves. The main venv runs the
+5.23 form, the transformers matrix (4.57) and the twin (5.17) the other.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from support import hf_tiny as H
+import hsoffload
+from hsoffload.targets import layer_checkpoints_in_forward
+
+FORWARD_FORM = layer_checkpoints_in_forward()
+HIDDEN = 32  # hf_tiny's width
+SCOPE = {"offload_cpu_tensors": True, "min_offload_size": 0}
+
+
+def hidden_bytes(dtype: torch.dtype) -> int:
+    return H.BATCH * H.SEQ * HIDDEN * dtype.itemsize
+
+
+def checkpointed_model() -> torch.nn.Module:
+    model = H.tiny_model("llama")
+    H.enable_checkpointing(model, reentrant=False)
+    return model
+
+
+def layers_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(model.model.layers)
+
+
+def offload_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, hsoffload.OffloadScope]:
+    hsoffload.patch()
+    with hsoffload.offload_hidden_states(model, **SCOPE) as scope:
+        loss = model(**batch).loss
+        loss.backward()
+    return loss.detach(), scope
+
+
+def assert_each_layer_offloaded(scope: hsoffload.OffloadScope, nbytes: int) -> None:
+    stats = scope.layer_stats
+    assert len(stats) == H.LAYERS, stats
+    for name, layer in stats.items():
+        assert (layer.calls, layer.offloaded_tensors, layer.offloaded_bytes) == (1, 1, nbytes), (name, layer)
+
+
+def copying_pre_hook(module: torch.nn.Module, args: tuple) -> tuple:
+    """A pre-forward hook that hands the layer a new tensor (as a cast or a device move does)."""
+    return (args[0] * 1.0,) + args[1:]
+
+
+def test_a_pre_forward_hook_replacing_the_input_still_offloads_what_the_checkpoint_saves() -> None:
+    model = checkpointed_model()
+    stock = H.twin(model)
+    for layer in layers_of(model) + layers_of(stock):
+        layer.register_forward_pre_hook(copying_pre_hook)
+    batch = H.batches(1)[0]
+    loss, scope = offload_step(model, batch)
+    assert_each_layer_offloaded(scope, hidden_bytes(torch.float32))
+    stock_loss = stock(**batch).loss
+    stock_loss.backward()
+    assert torch.equal(loss, stock_loss.detach())
+    for (name, p), q in zip(model.named_parameters(), stock.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_an_accelerate_hook_replacing_the_input_still_offloads_what_the_checkpoint_saves() -> None:
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class CopyInput(ModelHook):  # what AlignDevicesHook does when the input is on another device
+        def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple:
+            return (args[0] * 1.0,) + args[1:], kwargs
+
+    model = checkpointed_model()
+    for layer in layers_of(model):
+        add_hook_to_module(layer, CopyInput())
+    _, scope = offload_step(model, H.batches(1)[0])
+    assert_each_layer_offloaded(scope, hidden_bytes(torch.float32))
+
+
+def test_a_layer_subclass_wrapped_twice_is_marked_and_offloaded_once() -> None:
+    """5.23 wraps every subclass's forward (a user's subclass, FSDP2's generated FSDP<Layer>); only the outermost
+    wrapper checkpoints, so the layer's input is marked once."""
+    model = checkpointed_model()
+    base = type(layers_of(model)[0])
+
+    class Twice(base):  # type: ignore[misc, valid-type]
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return super().forward(*args, **kwargs)
+
+    for layer in layers_of(model):
+        layer.__class__ = Twice
+    _, scope = offload_step(model, H.batches(1)[0])
+    assert_each_layer_offloaded(scope, hidden_bytes(torch.float32))
+    assert scope.stats.marked_tensors == H.LAYERS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_rank() -> Iterator[Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_cast_forward_inputs_offloads_the_tensor_the_checkpoint_saves(one_rank: Any) -> None:
+    """FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) casts each layer's input to bf16 in its pre-forward hook
+    (on FSDP2's generated subclass of the layer). 5.23 saves the bf16 cast, 4.57-5.22 the fp32 input."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = checkpointed_model()
+    # Each layer's output back in fp32, so that every layer (not only the first) is called with fp32 and casts it.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=True)
+    for layer in layers_of(model):
+        fully_shard(layer, mesh=one_rank, mp_policy=policy)
+    fully_shard(model, mesh=one_rank)
+    assert type(layers_of(model)[0]).__name__.startswith("FSDP")
+    _, scope = offload_step(model, H.batches(1)[0])
+    assert_each_layer_offloaded(scope, hidden_bytes(torch.bfloat16 if FORWARD_FORM else torch.float32))
