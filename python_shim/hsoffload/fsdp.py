@@ -22,7 +22,12 @@ model-sized memory while loading:
   broadcast writes them.
 
 On rank 0, without FSDP or with the env gate unset both wrappers call the original untouched
-(stock behaviour) and log once, at info level, why they are inactive.
+(stock behaviour) and log once, at info level, why they are inactive. transformers >= 5.23 makes
+no placeholder for non-rank-0 weights (its `_move_missing_keys_from_meta_to_device` only fills
+non-persistent buffers there; the weights stay mmap-backed or on meta) and flags them initialised
+itself: measured, stock non-rank-0 holds 0.8 % of the model's bytes during the load. There the
+init wrapper steps aside (stock, logged once at info): it finds no tensor it would skip holding a
+placeholder of this load.
 """
 
 from __future__ import annotations
@@ -224,6 +229,13 @@ def _decide(model: torch.nn.Module, tensors: list[torch.Tensor]) -> tuple[Any, l
     return record, list(flags)
 
 
+def _holds_placeholders(tensors: list[torch.Tensor], flags: list[bool]) -> bool:
+    """Whether a tensor this rank skips holds a placeholder that `_move_missing_keys_from_meta_to_device` made in this
+    load (transformers 5.x before 5.23 materialise every non-rank-0 weight there; 5.23 none)."""
+    made = getattr(_placeholders, "storages", frozenset())
+    return any(f and not t.is_meta and t.untyped_storage().data_ptr() in made for t, f in zip(tensors, flags))
+
+
 def _is_quantized_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """`is_quantized` (5.x: first positional; 4.56-4.57: second) / `hf_quantizer` when given."""
     if "is_quantized" in kwargs:
@@ -249,6 +261,17 @@ def _make_initialize_missing_keys(original: Callable[..., Any], patch: ClassPatc
             _last_report = InitSkipReport(skipped=False, reason=reason, upstream_fix=fixed)
             return original(self, *args, **kwargs)
 
+        if fixed and not _holds_placeholders(tensors, flags):
+            # transformers >= 5.23: no placeholder was made for this rank's weights (they stay on the meta device, or
+            # are the checkpoint's mmap-backed tensors, until the broadcast) and its own flags skip their init, so
+            # nothing is resident that hsoffload would avoid. Measured side by side in docs/benchmarks.md.
+            reason = (
+                "transformers materialises none of this rank's weights and skips their init itself (>= 5.23): "
+                "nothing left to skip"
+            )
+            _log_once("meta", logging.INFO, "hsoffload.fsdp: stepping aside: %s", reason)
+            _last_report = InitSkipReport(skipped=False, reason=reason, upstream_fix=fixed)
+            return original(self, *args, **kwargs)
         if not fixed:
             # What #44473 added upstream: guarded init skips tensors carrying this flag.
             for t, f in zip(tensors, flags):
@@ -298,6 +321,7 @@ def _make_move_missing_keys(original: Callable[..., Any], patch: ClassPatch) -> 
     @functools.wraps(original)
     def _move_missing_keys_from_meta_to_device(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         _placeholders.last = (0, 0)
+        _placeholders.storages = frozenset()
         if not patch.active or _is_quantized_call(args, kwargs) or _quantizer_arg(args, kwargs):
             return original(self, *args, **kwargs)
         facts = rank_facts()
@@ -311,6 +335,7 @@ def _make_move_missing_keys(original: Callable[..., Any], patch: ClassPatch) -> 
         with mode:
             result = original(self, *args, **kwargs)
         _placeholders.last = (mode.count, mode.nbytes)
+        _placeholders.storages = frozenset(mode.storages)
         return result
 
     return _move_missing_keys_from_meta_to_device

@@ -130,6 +130,7 @@ class LazyPlaceholders(TorchFunctionMode):
         super().__init__()
         self.count = 0
         self.nbytes = 0
+        self.storages: set[int] = set()  # data_ptr of each placeholder made (which tensors hold one)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -153,5 +154,6 @@ class LazyPlaceholders(TorchFunctionMode):
                 out = torch.classes.hsoffload.InitSkipRecord.lazy_zeros_like(like)
                 self.count += 1
                 self.nbytes += out.numel() * out.element_size()
+                self.storages.add(out.untyped_storage().data_ptr())
                 return out
         return func(*args, **kwargs)
