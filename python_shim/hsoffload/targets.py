@@ -104,3 +104,15 @@ def disable_checkpointing(model: torch.nn.Module) -> None:
         model.activation_checkpointing_disable()
     else:
         model.gradient_checkpointing_disable()
+
+
+def current_training_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` for `transformers.TrainingArguments` with `gradient_checkpointing[_kwargs]` under the installed version's
+    names (`activation_checkpointing[_kwargs]` from 5.23, where the old ones warn until v6)."""
+    from transformers import TrainingArguments
+
+    if "activation_checkpointing" not in getattr(TrainingArguments, "__dataclass_fields__", {}):
+        return dict(kwargs)
+    renamed = {"gradient_checkpointing": "activation_checkpointing",
+               "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
+    return {renamed.get(k, k): v for k, v in kwargs.items()}

@@ -213,6 +213,7 @@ def _sft_run(tmp_path: Path, offload: bool) -> dict[str, Any]:
     import trl
 
     from hsoffload.integrations import enable_hidden_state_offload
+    from hsoffload.targets import current_training_args
 
     record: dict[str, Any] = {"losses": [], "grads": [], "params": [], "tiles": []}
 
@@ -236,13 +237,13 @@ def _sft_run(tmp_path: Path, offload: bool) -> dict[str, Any]:
             return out
 
     rows = [{"input_ids": b["input_ids"][j].tolist()} for b in W._batches(seed=500, n=C.STEPS) for j in range(C.BATCH)]
-    config = trl.SFTConfig(
+    config = trl.SFTConfig(**current_training_args(dict(
         output_dir=str(tmp_path / ("on" if offload else "off")), max_steps=C.STEPS, per_device_train_batch_size=C.BATCH,
         learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1, gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, report_to=[], save_strategy="no", use_cpu=True,
         bf16=False, disable_tqdm=True, dataloader_num_workers=0, dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False, seed=0, data_seed=0,
-    )
+    )))
     model = C.tiny_model("sdpa")
     trainer = Recording(model=model, args=config, train_dataset=datasets.Dataset.from_list(rows),
                         processing_class=C.tiny_tokenizer(), callbacks=[Record()])

@@ -278,3 +278,29 @@ def test_check_model_counts_checkpointed_layers() -> None:
     model = H.tiny_model("llama")
     H.enable_checkpointing(model, False)
     assert hsoffload.check_model(model) == H.LAYERS
+
+
+def test_our_paths_call_no_deprecated_transformers_name() -> None:
+    """transformers 5.23 renamed gradient checkpointing to activation checkpointing; the old names warn (FutureWarning,
+    attributed to transformers' own module) until v6. hsoffload's paths call the installed version's current names."""
+    import warnings
+
+    import hsoffload.fsdp
+    from hsoffload.targets import disable_checkpointing
+
+    model = H.tiny_model("llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enable_checkpointing(model, {"use_reentrant": False})
+        hsoffload.patch()
+        hsoffload.fsdp.patch()
+        with hsoffload.offload_hidden_states(model, **SCOPE) as scope:
+            batch = H.batches(1)[0]
+            model(**batch).loss.backward()
+        assert hsoffload.check_model(model) == H.LAYERS
+        hsoffload.fsdp.unpatch()
+        disable_checkpointing(model)
+    assert scope.stats.offloaded_tensors == H.LAYERS
+    deprecations = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
+                    if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not deprecations, deprecations

@@ -13,6 +13,7 @@ import transformers
 
 from support import hf_tiny as H
 import hsoffload
+from hsoffload.targets import current_training_args
 from hsoffload.integrations import HiddenStateOffloadMixin, enable_hidden_state_offload, with_hidden_state_offload
 
 SCOPE = {"offload_cpu_tensors": True, "min_offload_size": 0}
@@ -57,7 +58,7 @@ def training_args(tmp_path: Path, **overrides: Any) -> transformers.TrainingArgu
         seed=7,
     )
     kwargs.update(overrides)
-    return transformers.TrainingArguments(**kwargs)
+    return transformers.TrainingArguments(**current_training_args(kwargs))
 
 
 def _train_logs(trainer: Any) -> list[dict[str, float]]:
@@ -168,7 +169,7 @@ def test_sft_trainer(tmp_path: Path) -> None:
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     rows = [{"input_ids": b["input_ids"][0].tolist()} for b in H.batches(8)]
-    config = trl.SFTConfig(
+    config = trl.SFTConfig(**current_training_args(dict(
         output_dir=str(tmp_path),
         max_steps=2,
         per_device_train_batch_size=2,
@@ -182,7 +183,7 @@ def test_sft_trainer(tmp_path: Path) -> None:
         dataloader_num_workers=0,
         dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False,
-    )
+    )))
     trainer = enable_hidden_state_offload(
         trl.SFTTrainer(
             model=H.tiny_model("llama"),

@@ -316,6 +316,7 @@ def _trainer_ulysses(offload: bool, out_dir: str) -> dict[str, Any]:
     from accelerate.utils import DeepSpeedSequenceParallelConfig
 
     import hsoffload.integrations
+    from hsoffload.targets import current_training_args
 
     _unregister_ulysses()  # accelerate registers it again (DeepSpeed's groups may be created once)
     ds_config = _ds_config()
@@ -325,13 +326,13 @@ def _trainer_ulysses(offload: bool, out_dir: str) -> dict[str, Any]:
         sp_backend="deepspeed", sp_size=dist.get_world_size(),
         sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
     )
-    args = transformers.TrainingArguments(
+    args = transformers.TrainingArguments(**current_training_args(dict(
         output_dir=out_dir, per_device_train_batch_size=C.BATCH, max_steps=C.STEPS, learning_rate=1e-2,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
         save_strategy="no", report_to=[], deepspeed=ds_config, parallelism_config=pc, gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, seed=0, data_seed=0, dataloader_num_workers=0,
         disable_tqdm=True,
-    )
+    )))
     model = C.tiny_model("sdpa")  # under zero.Init: args hold a DeepSpeed config
     rows = [{"input_ids": b["input_ids"][j], "labels": b["labels"][j], "position_ids": torch.arange(C.SEQ)}
             for b in _batches(seed=400, n=C.STEPS) for j in range(C.BATCH)]

@@ -234,11 +234,12 @@ def _trainer_run(offload: bool, out_dir: str) -> dict[str, Any]:
 
     import hsoffload.host
     import hsoffload.integrations
+    from hsoffload.targets import current_training_args
 
     ds_config = _ds_config(3, offload=True)
     ds_config["train_micro_batch_size_per_gpu"] = "auto"
     ds_config["gradient_accumulation_steps"] = "auto"
-    args = transformers.TrainingArguments(
+    args = transformers.TrainingArguments(**current_training_args(dict(
         output_dir=out_dir,
         per_device_train_batch_size=2,
         max_steps=STEPS,
@@ -257,7 +258,7 @@ def _trainer_run(offload: bool, out_dir: str) -> dict[str, Any]:
         data_seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
-    )
+    )))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", LAYERS))  # under zero.Init here
     zero_init = all(hasattr(p, "ds_id") for p in model.parameters())
