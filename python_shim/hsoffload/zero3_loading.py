@@ -25,6 +25,11 @@ the same bytes as stock (rank 0's values, sliced; the padding of the last partit
 from it: on a receiving rank the patch reads it as meta tensors (names, shapes, dtypes; transformers' own
 `load_state_dict(map_location="meta")`), the model's persistent buffers among them for real (every rank copies those).
 That matters most where transformers reads checkpoints whole instead of memory-mapping them (`disable_mmap`, hf-mount).
+transformers >= 5.23 does that read itself (and broadcasts the buffers from rank 0): the meta read then stands aside
+(logged once). 5.23's `initialize_weights_zero3` also gathers each module's parameters with the module and again with
+its parent, so each `from_config` parameter passes through two root-only gathers there. With weight conversions 5.23
+yields the converted checkpoint in parts; the checkpoint check gathers them (rank 0 holds it converted at once, as
+before 5.23).
 
 Which rank receives is decided by `torch.ops.hsoffload.skip_init_zero3` (docs/ops.md) from the rank in the
 parameter's partition group; the tensors it flags are recorded in an `InitSkipRecord` (the counters).
@@ -59,6 +64,7 @@ transformers call (a thread-local flag); the counters take a lock.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -658,6 +664,16 @@ def _converted(model: Any, state_dict: Any, load_config: Any) -> tuple[Any, Any]
     if metadata is not None:
         copied._metadata = metadata
     converted = convert(model, copied, mapping)
+    if not isinstance(converted, dict):
+        # transformers >= 5.23 yields one conversion's output at a time (so that it loads each before the next
+        # allocates). The check reads every entry before anything loads, so the parts are gathered here: rank 0 holds
+        # the converted checkpoint at once, as with the earlier releases' dict (docs/compatibility.md).
+        merged: Any = collections.OrderedDict()
+        for part in converted:
+            merged.update(part)
+        if metadata is not None:
+            merged._metadata = metadata
+        converted = merged
     model._weight_conversions = mapping  # what transformers' function records for saving
     return converted, dataclasses.replace(load_config, weight_mapping=None)
 
@@ -810,7 +826,11 @@ def _make_meta_load(original: Callable[..., Any], patch: Any) -> Callable[..., A
     @functools.wraps(original)
     def load_state_dict(checkpoint_file: Any, map_location: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
         buffers = getattr(_meta_read, "buffers", None)
-        if not patch.active or buffers is None or map_location == "meta":
+        if not patch.active or buffers is None:
+            return original(checkpoint_file, map_location, *args, **kwargs)
+        if map_location == "meta":  # transformers >= 5.23 does it itself (and broadcasts the buffers from rank 0)
+            log_once("zero3-meta-read", logging.INFO, "hsoffload.zero3_loading: transformers reads the checkpoint as "
+                     "meta tensors on this rank itself; hsoffload's meta read stands aside")
             return original(checkpoint_file, map_location, *args, **kwargs)
         state = original(checkpoint_file, "meta", *args, **kwargs)
         wanted = [k for k in state if k in buffers]
