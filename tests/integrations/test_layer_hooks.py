@@ -129,12 +129,20 @@ def test_fsdp2_cast_forward_inputs_offloads_the_tensor_the_checkpoint_saves(one_
     (on FSDP2's generated subclass of the layer). 5.23 saves the bf16 cast, 4.57-5.22 the fp32 input."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = checkpointed_model()
-    # Each layer's output back in fp32, so that every layer (not only the first) is called with fp32 and casts it.
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=True)
-    for layer in layers_of(model):
-        fully_shard(layer, mesh=one_rank, mp_policy=policy)
-    fully_shard(model, mesh=one_rank)
-    assert type(layers_of(model)[0]).__name__.startswith("FSDP")
-    _, scope = offload_step(model, H.batches(1)[0])
+    def sharded() -> torch.nn.Module:
+        model = checkpointed_model()
+        # Each layer's output back in fp32, so that every layer (not only the first) is called with fp32 and casts it.
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=True)
+        for layer in layers_of(model):
+            fully_shard(layer, mesh=one_rank, mp_policy=policy)
+        fully_shard(model, mesh=one_rank)
+        assert type(layers_of(model)[0]).__name__.startswith("FSDP")
+        return model
+
+    batch = H.batches(1)[0]
+    try:  # stock first: with the hooks inside the checkpoint, torch 2.11's FSDP2 does not cast again in the recompute
+        sharded()(**batch).loss.backward()
+    except RuntimeError as e:
+        pytest.skip(f"this torch/transformers fails without hsoffload too (stock FSDP2 mixed precision): {e}")
+    _, scope = offload_step(sharded(), batch)
     assert_each_layer_offloaded(scope, hidden_bytes(torch.bfloat16 if FORWARD_FORM else torch.float32))
