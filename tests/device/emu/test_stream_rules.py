@@ -177,10 +177,13 @@ def test_host_buffer_is_not_lent_again_while_a_restore_reads_it(dev):
 
 
 def test_host_buffer_is_not_lent_again_while_a_d2h_copy_writes_it(dev):
-    """Pool: a buffer whose D2H copy is still queued (record dropped at once) is not lent to another pack."""
+    """Pool: a buffer whose D2H copy is still queued (record dropped at once) is not lent to another pack.
+
+    The late copy runs on the compute stream (`use_streams=False`): the process's one D2H side stream would order the
+    second pack's copy after it, and hide the reuse."""
     hsoffload.empty_pool()
     n = 3500
-    first = _scope()
+    first = _scope(use_streams=False)
     with first:
         a = _full(1.0, dev, n)
         hsemu.sleep(DELAY)  # the D2H copy waits for stream 0, which lags
