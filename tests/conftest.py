@@ -91,6 +91,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = [m for m in ONE_WORKER if not (config.rootpath / m).is_file()]
+    if missing:  # a renamed module would silently be spread over the workers again, its launch repeated
+        raise pytest.UsageError(f"tests/conftest.py ONE_WORKER names modules that do not exist: {missing}")
     slow = pytest.mark.slow
     for item in items:
         if item.nodeid.startswith(SLOW):

@@ -38,7 +38,7 @@ import inspect
 import logging
 import os
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from ._logging import log_once as _log_once
@@ -233,7 +233,11 @@ def _holds_placeholders(tensors: list[torch.Tensor], flags: list[bool]) -> bool:
     """Whether a tensor this rank skips holds a placeholder that `_move_missing_keys_from_meta_to_device` made in this
     load (transformers 5.x before 5.23 materialise every non-rank-0 weight there; 5.23 none)."""
     made = getattr(_placeholders, "storages", frozenset())
-    return any(f and not t.is_meta and t.untyped_storage().data_ptr() in made for t, f in zip(tensors, flags))
+    _placeholders.storages = frozenset()  # this load's, read once
+    # By address: the placeholders are alive (the model holds them) while this runs, so no address is reused; an
+    # empty storage has none (0) and is never a placeholder.
+    return any(f and not t.is_meta and t.untyped_storage().nbytes() > 0 and t.untyped_storage().data_ptr() in made
+               for t, f in zip(tensors, flags))
 
 
 def _is_quantized_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -42,7 +42,14 @@ from .current import current_scope
 from .diagnostics import check_model
 from .policy import marks_layer_inputs
 from .scope import OffloadScope
-from .targets import checkpoint_wrapper_class, first_param_is_hidden_states, layer_checkpoints_in_forward, layer_class
+from .targets import (
+    MARKING_WRAPPER_ATTR,
+    checkpoint_wrapper_class,
+    first_param_is_hidden_states,
+    layer_checkpoints_in_forward,
+    layer_class,
+    unwrap_marking,
+)
 
 logger = logging.getLogger("hsoffload")
 
@@ -100,6 +107,9 @@ def _mark_layer_inputs(scope: OffloadScope, layer: torch.nn.Module, args: tuple,
     return args, at_checkpoint
 
 
+_CHECKPOINT_FN = "_gradient_checkpointing_func"
+
+
 def _call_marking_at_checkpoint(previous: Callable[..., Any], layer: torch.nn.Module, args: tuple,
                                 kwargs: dict) -> Any:
     """Run the layer with its checkpoint function marking the hidden_states it is given.
@@ -107,9 +117,13 @@ def _call_marking_at_checkpoint(previous: Callable[..., Any], layer: torch.nn.Mo
     transformers >= 5.23 checkpoints inside the layer's `forward`, after `Module.__call__` ran the module's pre-forward
     hooks; a hook that replaces the input (FSDP2's `cast_forward_inputs`, accelerate's device alignment) would
     otherwise hand the checkpoint a tensor that was never marked, and nothing would be offloaded. So the mark goes on
-    what the checkpoint receives: the layer's `_gradient_checkpointing_func` (an instance attribute transformers sets)
-    is swapped for this call only and restored after it (a layer is not called from two threads at once)."""
-    checkpoint_fn = layer.__dict__.get("_gradient_checkpointing_func")
+    what the checkpoint receives: the layer's `_gradient_checkpointing_func` (set on the instance by transformers, or
+    on its class by a user) is replaced on the instance for this call only. Afterwards the instance gets back what it
+    had (nothing, when the function lives on the class), unless someone set another function meanwhile, and never
+    one of these wrappers: a nested call of the same layer, or another thread calling it at the same time (not
+    supported: the marks of the two calls may mix), can leave no wrapper behind for `unpatch()` to miss."""
+    own = layer.__dict__.get(_CHECKPOINT_FN)
+    checkpoint_fn = unwrap_marking(getattr(layer, _CHECKPOINT_FN, None))
     if checkpoint_fn is None:
         diagnostics.report_missing_hidden_states(layer)
         return previous(layer, *args, **kwargs)
@@ -124,11 +138,17 @@ def _call_marking_at_checkpoint(previous: Callable[..., Any], layer: torch.nn.Mo
             diagnostics.report_missing_hidden_states(layer)
         return checkpoint_fn(function, *cargs, **ckwargs)
 
-    layer.__dict__["_gradient_checkpointing_func"] = mark_then_checkpoint
+    setattr(mark_then_checkpoint, MARKING_WRAPPER_ATTR, checkpoint_fn)
+    layer.__dict__[_CHECKPOINT_FN] = mark_then_checkpoint
     try:
         out = previous(layer, *args, **kwargs)
     finally:
-        layer.__dict__["_gradient_checkpointing_func"] = checkpoint_fn
+        if layer.__dict__.get(_CHECKPOINT_FN) is mark_then_checkpoint:
+            restored = unwrap_marking(own)
+            if restored is None:
+                del layer.__dict__[_CHECKPOINT_FN]
+            else:
+                layer.__dict__[_CHECKPOINT_FN] = restored
     if not reached:
         diagnostics.report_checkpoint_not_reached(layer)
     return out
@@ -180,7 +200,10 @@ def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callabl
             return previous(self, *args, **kwargs)
         visit = None
         try:
-            visit, args, due = _begin_layer(scope, self, args, kwargs, compiled=False, at_checkpoint=at_checkpoint)
+            # `layer.compile()` traces Module.__call__'s body (forward, the checkpoint function): a mark there would be
+            # traced, not applied, so such a layer is marked on entry, as under a compiled __call__.
+            mark_inside = at_checkpoint and getattr(self, "_compiled_call_impl", None) is None
+            visit, args, due = _begin_layer(scope, self, args, kwargs, compiled=False, at_checkpoint=mark_inside)
             if due:
                 return _call_marking_at_checkpoint(previous, self, args, kwargs)
             return previous(self, *args, **kwargs)

@@ -36,6 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ._logging import log_once, was_logged
 from .current import current_scope
+from .targets import unwrap_marking
 
 _SAVE = frozenset({CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE})
 # *_CPU_OFFLOAD -> the save that torch's eager checkpoint understands (MUST stays MUST for other subsystems).
@@ -461,7 +462,7 @@ def wrap_checkpoint_fn(module: torch.nn.Module, attr: str = LAYER_ATTR, name: Op
     keywords, `context_fn` included, stay as they are). Returns False when that checkpoint has no context_fn (full
     checkpointing: SAC keeps nothing), or, for a CheckpointWrapper, when its function is not torch's checkpoint (a
     user's `checkpoint_fn` may not take the arguments hsoffload adds)."""
-    func = getattr(module, attr, None)
+    func = unwrap_marking(getattr(module, attr, None))  # through a call's marking wrapper (patch.py)
     if not isinstance(func, functools.partial) or func.keywords.get("context_fn") is None:
         return False
     if isinstance(func.func, _ScopedCheckpoint):
@@ -478,7 +479,7 @@ def wrap_checkpoint_fn(module: torch.nn.Module, attr: str = LAYER_ATTR, name: Op
 
 def layer_memory(module: torch.nn.Module, attr: str = LAYER_ATTR) -> Optional[_LayerMemory]:
     """The SAC entries `module`'s recompute left unread (tests, diagnostics); None if its checkpoint is not wrapped."""
-    func = getattr(module, attr, None)
+    func = unwrap_marking(getattr(module, attr, None))  # through a call's marking wrapper (patch.py)
     scoped = getattr(func, "func", None)
     return scoped.memory if isinstance(scoped, _ScopedCheckpoint) else None
 

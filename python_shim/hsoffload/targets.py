@@ -49,9 +49,21 @@ def first_param_is_hidden_states(cls: type) -> bool:
     return len(params) >= 2 and params[1] == "hidden_states"
 
 
+# Set on the function hsoffload's patch puts in `layer._gradient_checkpointing_func` for one call (transformers >= 5.23):
+# the checkpoint function it wraps. Everything that reads the layer's checkpoint function looks through it.
+MARKING_WRAPPER_ATTR = "_hsoffload_marks_for"
+
+
+def unwrap_marking(func: Any) -> Any:
+    """`func` without hsoffload's per-call marking wrappers."""
+    while getattr(func, MARKING_WRAPPER_ATTR, None) is not None:
+        func = getattr(func, MARKING_WRAPPER_ATTR)
+    return func
+
+
 def checkpoint_function(layer: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
     """The callable behind `layer._gradient_checkpointing_func` and its bound keywords."""
-    func = getattr(layer, "_gradient_checkpointing_func", None)
+    func = unwrap_marking(getattr(layer, "_gradient_checkpointing_func", None))
     keywords: dict[str, Any] = {}
     while isinstance(func, functools.partial):
         keywords = {**func.keywords, **keywords}
@@ -115,4 +127,7 @@ def current_training_args(kwargs: dict[str, Any]) -> dict[str, Any]:
         return dict(kwargs)
     renamed = {"gradient_checkpointing": "activation_checkpointing",
                "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
+    both = [old for old, new in renamed.items() if old in kwargs and new in kwargs]
+    if both:
+        raise ValueError(f"current_training_args: {both} given under both names; pass the activation_* ones only")
     return {renamed.get(k, k): v for k, v in kwargs.items()}

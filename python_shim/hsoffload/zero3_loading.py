@@ -831,7 +831,10 @@ def _make_meta_load(original: Callable[..., Any], patch: Any) -> Callable[..., A
         if map_location == "meta":  # transformers >= 5.23 does it itself (and broadcasts the buffers from rank 0)
             log_once("zero3-meta-read", logging.INFO, "hsoffload.zero3_loading: transformers reads the checkpoint as "
                      "meta tensors on this rank itself; hsoffload's meta read stands aside")
-            return original(checkpoint_file, map_location, *args, **kwargs)
+            state = original(checkpoint_file, map_location, *args, **kwargs)
+            meta = [v for v in state.values() if isinstance(v, torch.Tensor) and v.is_meta]
+            _add(meta_read_tensors=len(meta), meta_read_bytes=sum(v.numel() * v.element_size() for v in meta))
+            return state
         state = original(checkpoint_file, "meta", *args, **kwargs)
         wanted = [k for k in state if k in buffers]
         if wanted:
