@@ -40,8 +40,8 @@ def main() -> None:
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         logging_steps=2,                       # hsoffload/* keys are added to each training log
-        gradient_checkpointing=True,           # required: checkpointed layer inputs are what is offloaded
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        activation_checkpointing=True,         # required: checkpointed layer inputs are what is offloaded
+        activation_checkpointing_kwargs={"use_reentrant": False},  # before transformers 5.23: gradient_checkpointing*
         report_to=[],
         save_strategy="no",
     )
