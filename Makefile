@@ -37,7 +37,7 @@ install: $(STAMP)
 
 build: install
 
-# Every test, on one pytest-xdist worker per core (about 6 minutes on 2 cores once built; docs/benchmarks.md, "Test
+# Every test, on one pytest-xdist worker per core (about 5 minutes on 2 cores once built; docs/benchmarks.md, "Test
 # suite"). The compile check against another torch release's headers is a build check, not a test: .ci/run runs it.
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)

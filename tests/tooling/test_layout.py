@@ -70,3 +70,23 @@ def test_no_import_cycle_in_the_package() -> None:
         if name not in state:
             visit(name, [name])
     assert not cycles, f"import cycles: {cycles}"
+
+
+def _layout_map() -> str:
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    return block.split("\ntests/", 1)[0]  # the engine, the ops and the package (tests/ is described by folder)
+
+
+def test_the_layout_map_names_every_engine_file_and_package_module() -> None:
+    """docs/design.md's map cannot drift: every header, op file and top-level package module is named in it, and every
+    file name it gives exists."""
+    import re
+
+    layout = _layout_map()
+    files = {p.name: p for p in (ROOT / "csrc" / "include" / "hsoffload").glob("*.h")}
+    files.update({p.name: p for p in (ROOT / "ops").iterdir() if p.suffix in (".h", ".cpp")})
+    files.update({p.name: p for p in PKG.glob("*.py")})
+    named = set(re.findall(r"(?<![/\w])\w+\.(?:py|h|cpp)\b", layout))  # a path (tests/...) is not a name here
+    assert not sorted(set(files) - named), f"not in docs/design.md's layout map: {sorted(set(files) - named)}"
+    assert not sorted(named - set(files)), f"docs/design.md's layout map names what is gone: {sorted(named - set(files))}"
