@@ -110,6 +110,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def one_rank_mesh() -> Any:
+    """A 1-rank gloo process group and CPU device mesh in this process (DTensor, FSDP2 in process), destroyed after the
+    test so that later tests see none."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def cpu_scope_kwargs() -> dict:
     """Scope options that make data really move on a CPU-only machine."""
     return {"offload_cpu_tensors": True, "min_offload_size": 0}

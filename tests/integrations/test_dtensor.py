@@ -6,33 +6,19 @@ rank keeps the test in-process. The process group is destroyed afterwards so lat
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hsoffload import OffloadScope
 
 pytest.importorskip("torch.distributed.tensor")
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
-def mesh():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+def mesh(one_rank_mesh):  # tests/conftest.py
+    return one_rank_mesh
 
 
 @pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=str)

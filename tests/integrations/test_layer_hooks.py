@@ -13,13 +13,11 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import socket
 import types
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -112,25 +110,7 @@ def test_a_layer_subclass_wrapped_twice_is_marked_and_offloaded_once() -> None:
     assert scope.stats.marked_tensors == H.LAYERS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def one_rank() -> Iterator[Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_fsdp2_cast_forward_inputs_offloads_the_tensor_the_checkpoint_saves(one_rank: Any) -> None:
+def test_fsdp2_cast_forward_inputs_offloads_the_tensor_the_checkpoint_saves(one_rank_mesh: Any) -> None:
     """FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) casts each layer's input to bf16 in its pre-forward hook
     (on FSDP2's generated subclass of the layer). 5.23 saves the bf16 cast, 4.57-5.22 the fp32 input."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -140,8 +120,8 @@ def test_fsdp2_cast_forward_inputs_offloads_the_tensor_the_checkpoint_saves(one_
         # Each layer's output back in fp32, so that every layer (not only the first) is called with fp32 and casts it.
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=True)
         for layer in layers_of(model):
-            fully_shard(layer, mesh=one_rank, mp_policy=policy)
-        fully_shard(model, mesh=one_rank)
+            fully_shard(layer, mesh=one_rank_mesh, mp_policy=policy)
+        fully_shard(model, mesh=one_rank_mesh)
         assert type(layers_of(model)[0]).__name__.startswith("FSDP")
         return model
 
