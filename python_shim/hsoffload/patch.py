@@ -107,9 +107,6 @@ def _mark_layer_inputs(scope: OffloadScope, layer: torch.nn.Module, args: tuple,
     return args, at_checkpoint
 
 
-_CHECKPOINT_FN = "_gradient_checkpointing_func"
-
-
 def _call_marking_at_checkpoint(previous: Callable[..., Any], layer: torch.nn.Module, args: tuple,
                                 kwargs: dict) -> Any:
     """Run the layer with its checkpoint function marking the hidden_states it is given.
@@ -122,8 +119,8 @@ def _call_marking_at_checkpoint(previous: Callable[..., Any], layer: torch.nn.Mo
     had (nothing, when the function lives on the class), unless someone set another function meanwhile, and never
     one of these wrappers: a nested call of the same layer, or another thread calling it at the same time (not
     supported: the marks of the two calls may mix), can leave no wrapper behind for `unpatch()` to miss."""
-    own = layer.__dict__.get(_CHECKPOINT_FN)
-    checkpoint_fn = unwrap_marking(getattr(layer, _CHECKPOINT_FN, None))
+    own = layer.__dict__.get(_sac.LAYER_ATTR)
+    checkpoint_fn = unwrap_marking(getattr(layer, _sac.LAYER_ATTR, None))
     if checkpoint_fn is None:
         diagnostics.report_missing_hidden_states(layer)
         return previous(layer, *args, **kwargs)
@@ -139,16 +136,16 @@ def _call_marking_at_checkpoint(previous: Callable[..., Any], layer: torch.nn.Mo
         return checkpoint_fn(function, *cargs, **ckwargs)
 
     setattr(mark_then_checkpoint, MARKING_WRAPPER_ATTR, checkpoint_fn)
-    layer.__dict__[_CHECKPOINT_FN] = mark_then_checkpoint
+    layer.__dict__[_sac.LAYER_ATTR] = mark_then_checkpoint
     try:
         out = previous(layer, *args, **kwargs)
     finally:
-        if layer.__dict__.get(_CHECKPOINT_FN) is mark_then_checkpoint:
+        if layer.__dict__.get(_sac.LAYER_ATTR) is mark_then_checkpoint:
             restored = unwrap_marking(own)
             if restored is None:
-                del layer.__dict__[_CHECKPOINT_FN]
+                del layer.__dict__[_sac.LAYER_ATTR]
             else:
-                layer.__dict__[_CHECKPOINT_FN] = restored
+                layer.__dict__[_sac.LAYER_ATTR] = restored
     if not reached:
         diagnostics.report_checkpoint_not_reached(layer)
     return out
