@@ -43,6 +43,7 @@ from .diagnostics import check_model
 from .policy import marks_layer_inputs
 from .scope import OffloadScope
 from .targets import (
+    LAYER_ATTR,
     MARKING_WRAPPER_ATTR,
     checkpoint_wrapper_class,
     first_param_is_hidden_states,
@@ -119,8 +120,8 @@ def _call_marking_at_checkpoint(previous: Callable[..., Any], layer: torch.nn.Mo
     had (nothing, when the function lives on the class), unless someone set another function meanwhile, and never
     one of these wrappers: a nested call of the same layer, or another thread calling it at the same time (not
     supported: the marks of the two calls may mix), can leave no wrapper behind for `unpatch()` to miss."""
-    own = layer.__dict__.get(_sac.LAYER_ATTR)
-    checkpoint_fn = unwrap_marking(getattr(layer, _sac.LAYER_ATTR, None))
+    own = layer.__dict__.get(LAYER_ATTR)
+    checkpoint_fn = unwrap_marking(getattr(layer, LAYER_ATTR, None))
     if checkpoint_fn is None:
         diagnostics.report_missing_hidden_states(layer)
         return previous(layer, *args, **kwargs)
@@ -136,16 +137,16 @@ def _call_marking_at_checkpoint(previous: Callable[..., Any], layer: torch.nn.Mo
         return checkpoint_fn(function, *cargs, **ckwargs)
 
     setattr(mark_then_checkpoint, MARKING_WRAPPER_ATTR, checkpoint_fn)
-    layer.__dict__[_sac.LAYER_ATTR] = mark_then_checkpoint
+    layer.__dict__[LAYER_ATTR] = mark_then_checkpoint
     try:
         out = previous(layer, *args, **kwargs)
     finally:
-        if layer.__dict__.get(_sac.LAYER_ATTR) is mark_then_checkpoint:
+        if layer.__dict__.get(LAYER_ATTR) is mark_then_checkpoint:
             restored = unwrap_marking(own)
             if restored is None:
-                del layer.__dict__[_sac.LAYER_ATTR]
+                del layer.__dict__[LAYER_ATTR]
             else:
-                layer.__dict__[_sac.LAYER_ATTR] = restored
+                layer.__dict__[LAYER_ATTR] = restored
     if not reached:
         diagnostics.report_checkpoint_not_reached(layer)
     return out

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ._logging import log_once, was_logged
 from .current import current_scope
-from .targets import unwrap_marking
+from .targets import LAYER_ATTR, unwrap_marking
 
 _SAVE = frozenset({CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE})
 # *_CPU_OFFLOAD -> the save that torch's eager checkpoint understands (MUST stays MUST for other subsystems).
@@ -452,8 +452,7 @@ _wrapped_lock = threading.Lock()
 _wrapped_layers: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, Any, Any]]" = weakref.WeakKeyDictionary()
 
 # Where a module keeps the checkpoint function it calls: a transformers GradientCheckpointingLayer its
-# `_gradient_checkpointing_func`, torch.distributed's CheckpointWrapper its `checkpoint_fn`.
-LAYER_ATTR = "_gradient_checkpointing_func"
+# `_gradient_checkpointing_func` (LAYER_ATTR, from targets), torch.distributed's CheckpointWrapper its `checkpoint_fn`.
 WRAPPER_ATTR = "checkpoint_fn"
 
 

@@ -49,6 +49,9 @@ def first_param_is_hidden_states(cls: type) -> bool:
     return len(params) >= 2 and params[1] == "hidden_states"
 
 
+# The attribute transformers keeps a decoder layer's checkpoint function in (a `functools.partial` of torch's).
+LAYER_ATTR = "_gradient_checkpointing_func"
+
 # Set on the function hsoffload's patch puts in `layer._gradient_checkpointing_func` for one call (transformers >= 5.23):
 # the checkpoint function it wraps. Everything that reads the layer's checkpoint function looks through it.
 MARKING_WRAPPER_ATTR = "_hsoffload_marks_for"
@@ -63,7 +66,7 @@ def unwrap_marking(func: Any) -> Any:
 
 def checkpoint_function(layer: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
     """The callable behind `layer._gradient_checkpointing_func` and its bound keywords."""
-    func = unwrap_marking(getattr(layer, "_gradient_checkpointing_func", None))
+    func = unwrap_marking(getattr(layer, LAYER_ATTR, None))
     keywords: dict[str, Any] = {}
     while isinstance(func, functools.partial):
         keywords = {**func.keywords, **keywords}

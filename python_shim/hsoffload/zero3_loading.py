@@ -832,8 +832,7 @@ def _make_meta_load(original: Callable[..., Any], patch: Any) -> Callable[..., A
             log_once("zero3-meta-read", logging.INFO, "hsoffload.zero3_loading: transformers reads the checkpoint as "
                      "meta tensors on this rank itself; hsoffload's meta read stands aside")
             state = original(checkpoint_file, map_location, *args, **kwargs)
-            meta = [v for v in state.values() if isinstance(v, torch.Tensor) and v.is_meta]
-            _add(meta_read_tensors=len(meta), meta_read_bytes=sum(v.numel() * v.element_size() for v in meta))
+            _count_read([v for v in state.values() if isinstance(v, torch.Tensor) and v.is_meta], real=0)
             return state
         state = original(checkpoint_file, "meta", *args, **kwargs)
         wanted = [k for k in state if k in buffers]
@@ -850,12 +849,16 @@ def _make_meta_load(original: Callable[..., Any], patch: Any) -> Callable[..., A
                 for k in wanted:
                     state[k] = full[k]
                 del full
-        meta = [v for k, v in state.items() if k not in buffers]
-        _add(meta_read_tensors=len(meta), meta_read_bytes=sum(v.numel() * v.element_size() for v in meta),
-             real_read_tensors=len(wanted))
+        _count_read([v for k, v in state.items() if k not in buffers], real=len(wanted))
         return state
 
     return load_state_dict
+
+
+def _count_read(meta: list[torch.Tensor], real: int) -> None:
+    """The counters of one checkpoint file a receiving rank read: entries as meta (and their bytes, not read), for real."""
+    _add(meta_read_tensors=len(meta), meta_read_bytes=sum(v.numel() * v.element_size() for v in meta),
+         real_read_tensors=real)
 
 
 # --------------------------------------------------------------------------- patches

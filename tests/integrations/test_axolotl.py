@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import inspect
 import logging
@@ -15,8 +14,6 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from torch.utils.checkpoint import checkpoint
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from support import hf_tiny as H
 import hsoffload
@@ -49,21 +46,8 @@ ON_ACCELERATOR = torch.cuda.is_available()
 DEVICE = "cuda" if ON_ACCELERATOR else "cpu"
 
 
-class TinyCheckpointLayer(GradientCheckpointingLayer):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(64, 64)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden_states).sin()
-
-
-def tiny_layer(reentrant: bool = False) -> TinyCheckpointLayer:
-    torch.manual_seed(0)
-    layer = TinyCheckpointLayer().to(DEVICE)
-    layer.gradient_checkpointing = True
-    layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=reentrant)
-    return layer.train()
+def tiny_layer(reentrant: bool = False) -> torch.nn.Module:
+    return H.tiny_layer(reentrant, width=64).to(DEVICE)
 
 
 def hidden(requires_grad: bool = True) -> torch.Tensor:

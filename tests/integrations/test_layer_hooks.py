@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from support import hf_tiny as H
 import hsoffload
@@ -139,23 +138,6 @@ def test_fsdp2_cast_forward_inputs_offloads_the_tensor_the_checkpoint_saves(one_
 # --------------------------------------------------------------------------- the per-call swap of the checkpoint function
 
 
-class TinyLayer(GradientCheckpointingLayer):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(8, 8)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden_states).sin()
-
-
-def tiny_layer() -> TinyLayer:
-    torch.manual_seed(0)
-    layer = TinyLayer()
-    layer.gradient_checkpointing = True
-    layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
-    return layer.train()
-
-
 def run(layer: torch.nn.Module) -> hsoffload.OffloadStats:
     hsoffload.patch()
     x = torch.randn(4, 8, requires_grad=True) * 1.0
@@ -165,7 +147,7 @@ def run(layer: torch.nn.Module) -> hsoffload.OffloadStats:
 
 
 def test_the_layers_checkpoint_function_is_back_after_the_call_even_when_it_raises() -> None:
-    layer = tiny_layer()
+    layer = H.tiny_layer()
     before = dict(layer.__dict__)
     assert run(layer).offloaded_tensors == 1
     assert layer.__dict__ == before
@@ -181,13 +163,11 @@ def test_the_layers_checkpoint_function_is_back_after_the_call_even_when_it_rais
 
 
 def test_a_checkpoint_function_on_the_class_is_marked_and_left_on_the_class() -> None:
-    class OnClass(TinyLayer):
+    class OnClass(H.TinyLayer):
         _gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
 
-    torch.manual_seed(0)
-    layer = OnClass()
-    layer.gradient_checkpointing = True
-    layer.train()
+    layer = H.tiny_layer(cls=OnClass)
+    del layer._gradient_checkpointing_func  # the instance's: the class's remains
     assert run(layer).offloaded_tensors == 1
     assert "_gradient_checkpointing_func" not in layer.__dict__
 
@@ -198,8 +178,8 @@ def test_a_call_that_bypasses_the_checkpoint_is_reported(caplog: pytest.LogCaptu
     from hsoffload._logging import forget_logged
 
     forget_logged()
-    layer = tiny_layer()
-    layer.forward = types.MethodType(inspect.unwrap(TinyLayer.forward), layer)
+    layer = H.tiny_layer()
+    layer.forward = types.MethodType(inspect.unwrap(H.TinyLayer.forward), layer)
     with caplog.at_level(logging.WARNING, logger="hsoffload"):
         stats = run(layer)
     reported = "never reached its checkpoint function" in caplog.text

@@ -66,22 +66,7 @@ def pristine() -> Iterator[Any]:
     hpatch.LAYER_CALL.forget()
 
 
-class TinyLayer(GradientCheckpointingLayer):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(8, 8)
-
-    def forward(self, hidden_states: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        return self.linear(hidden_states).sin() * scale
-
-
-def tiny_layer(reentrant: bool = False) -> TinyLayer:
-    torch.manual_seed(0)
-    layer = TinyLayer()
-    layer.gradient_checkpointing = True
-    layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=reentrant)
-    layer.train()
-    return layer
+TinyLayer, tiny_layer = H.TinyLayer, H.tiny_layer
 
 
 def run_layer(layer: torch.nn.Module, *, keyword: bool = False, requires_grad: bool = True) -> hsoffload.OffloadStats:

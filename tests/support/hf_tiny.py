@@ -6,10 +6,13 @@ Shared by the transformers, patch, trainer and axolotl tests. Works with transfo
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Optional
 
 import torch
 import transformers
+from torch.utils.checkpoint import checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import hsoffload
 from hsoffload.targets import enable_checkpointing as enable_model_checkpointing
@@ -52,6 +55,26 @@ def tiny_config(family: str = "llama", layers: int = LAYERS) -> Any:
     cfg = cfg_cls(**kwargs)
     cfg._attn_implementation = "eager"
     return cfg
+
+
+class TinyLayer(GradientCheckpointingLayer):
+    """A decoder-layer stand-in (a linear, then sin) for the patch's own tests: checkpointed as transformers does it."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.linear(hidden_states).sin() * scale
+
+
+def tiny_layer(reentrant: bool = False, width: int = 8, cls: type = TinyLayer) -> torch.nn.Module:
+    """A `cls` layer in training mode, checkpointed (torch's checkpoint, `use_reentrant=reentrant`), seed 0."""
+    torch.manual_seed(0)
+    layer = cls(width)
+    layer.gradient_checkpointing = True
+    layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=reentrant)
+    return layer.train()
 
 
 def tiny_model(family: str = "llama", seed: int = 0, layers: int = LAYERS) -> torch.nn.Module:
@@ -142,8 +165,6 @@ def enable_sac(model: torch.nn.Module, ops: Optional[set] = None, counter: Optio
     """Non-reentrant checkpointing with a selective-checkpoint context_fn that keeps the outputs of `ops` (default:
     the matmuls mm, bmm, addmm) and recomputes the rest; `counter` collects one entry per tensor op SAC saves in
     forward."""
-    import functools
-
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
