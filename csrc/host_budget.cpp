@@ -2,6 +2,7 @@
 #include "hsoffload/host_budget.h"
 
 #include "hsoffload/local_size.h"
+#include "hsoffload/options.h"
 
 #include <c10/util/Exception.h>
 
@@ -31,7 +32,7 @@ AutoBudget compute_auto_budget() {
     a.mem_available = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
   }
   a.local_world_size = local_size().ranks;
-  a.limit = static_cast<int64_t>(static_cast<double>(a.mem_available) * 0.8) / a.local_world_size;
+  a.limit = static_cast<int64_t>(static_cast<double>(a.mem_available) * kAutoHostBudgetFraction) / a.local_world_size;
   return a;
 }
 

@@ -80,20 +80,11 @@ at::Tensor offload_unpack(const at::Tensor& handle) {
   return saved->unpack();
 }
 
-c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
-                                                  bool use_streams, int64_t prefetch_depth, std::string spill_dir,
-                                                  int64_t spill_prefetch_depth, int64_t spill_wait_ms,
-                                                  bool share_copies) {
-  OffloadConfig config;
-  config.share_copies = share_copies;
-  config.spill_dir = std::move(spill_dir);
-  config.spill_prefetch_depth = spill_prefetch_depth;
-  config.spill_wait_ms = spill_wait_ms;
-  config.min_offload_size = min_offload_size;
-  config.offload_cpu_tensors = offload_cpu_tensors;
-  config.pin_memory = pin_memory;
-  config.use_streams = use_streams;
-  config.prefetch_depth = prefetch_depth;
+c10::intrusive_ptr<OffloadScopeHolder> make_scope(HSOFFLOAD_ENGINE_OPTION_PARAMS) {
+  OffloadConfig config;  // every field from its argument (hsoffload/options.h: one list, generated from the table)
+#define HSOFFLOAD_OPTION_ASSIGN(type, name, default_value) config.name = std::move(name);
+  HSOFFLOAD_ENGINE_OPTIONS(HSOFFLOAD_OPTION_ASSIGN)
+#undef HSOFFLOAD_OPTION_ASSIGN
   return c10::make_intrusive<OffloadScopeHolder>(OffloadScope::create(config, global_host_pool()));
 }
 

@@ -7,6 +7,8 @@
 #include "holders.h"
 #include "init_skip_holder.h"
 
+#include "hsoffload/options.h"
+
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -22,10 +24,8 @@ at::Tensor& mark_hidden_state(at::Tensor& x);
 at::Tensor offload_pack(const at::Tensor& x, int64_t scope, bool capturing);
 at::Tensor offload_unpack(const at::Tensor& handle);
 
-c10::intrusive_ptr<OffloadScopeHolder> make_scope(int64_t min_offload_size, bool offload_cpu_tensors, bool pin_memory,
-                                                  bool use_streams, int64_t prefetch_depth, std::string spill_dir,
-                                                  int64_t spill_prefetch_depth, int64_t spill_wait_ms,
-                                                  bool share_copies);
+// The engine options by name, in the table's order (hsoffload/options.h).
+c10::intrusive_ptr<OffloadScopeHolder> make_scope(HSOFFLOAD_ENGINE_OPTION_PARAMS);
 // The stats ops return name -> value; the names are the lists in hsoffload/stats.h.
 c10::Dict<std::string, int64_t> scope_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);
 c10::Dict<std::string, int64_t> scope_spill_stats(const c10::intrusive_ptr<OffloadScopeHolder>& self);

@@ -12,11 +12,14 @@ TORCH_LIBRARY(hsoffload, m) {
   // One offload scope: configuration, marks, counters. Python wraps it in a
   // context manager that installs saved-tensor hooks calling the ops below.
   m.class_<OffloadScopeHolder>("OffloadScope")
+      // The constructor's arguments are the engine options of the one table of knobs (hsoffload/options.h,
+      // generated from python_shim/hsoffload/options.py), with their names and defaults.
       .def(torch::init(&make_scope), "an offload scope (docs/ops.md, Classes)",
-           {torch::arg("min_offload_size") = 1024, torch::arg("offload_cpu_tensors") = false,
-            torch::arg("pin_memory") = true, torch::arg("use_streams") = true, torch::arg("prefetch_depth") = 1,
-            torch::arg("spill_dir") = "", torch::arg("spill_prefetch_depth") = 2,
-            torch::arg("spill_wait_ms") = 30000, torch::arg("share_copies") = false})
+           {
+#define HSOFFLOAD_OPTION_ARG(type, name, default_value) torch::arg(#name) = default_value,
+               HSOFFLOAD_ENGINE_OPTIONS(HSOFFLOAD_OPTION_ARG)
+#undef HSOFFLOAD_OPTION_ARG
+           })
       .def("enter", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->enter(); })
       .def("exit", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { self->scope->exit(); })
       .def("active", [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->active(); })

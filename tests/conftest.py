@@ -138,6 +138,6 @@ def cpu_scope_kwargs() -> dict:
 @pytest.fixture(autouse=True)
 def _no_scope_left_behind():
     yield
-    from hsoffload.current import current_scope
+    from hsoffload.offload.current import current_scope
 
     assert current_scope() is None, "a test left an offload scope active on this thread"

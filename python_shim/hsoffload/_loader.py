@@ -1,4 +1,7 @@
-"""Find and load the hsoffload op library once, with an actionable error on mismatch."""
+"""Find and load the hsoffload op library once, with an actionable error on mismatch.
+
+Imports torch only when called: `import hsoffload` (and the planner) must not pay for torch or need a built library.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,6 @@ import json
 import logging
 import os
 from pathlib import Path
-
-import torch
 
 logger = logging.getLogger("hsoffload")
 
@@ -55,19 +56,26 @@ def _describe(info: dict | None) -> str:
 
 
 def _running() -> str:
+    import torch
+
     return f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})"
 
 
 def _same_build(info: dict | None) -> bool:
     if not info:
         return True
+    import torch
+
     built = str(info.get("torch", "")).split("+")[0]
     running = torch.__version__.split("+")[0]
     return built == running and (info.get("cuda") or None) == (torch.version.cuda or None)
 
 
 def load_library() -> Path:
-    """Load libhsoffload.so into this process (idempotent) and return its path."""
+    """Load libhsoffload.so into this process (idempotent) and return its path.
+
+    The offload and loading wings call it when first imported; call it yourself before `torch.jit.script` or
+    `torch.jit.load` of code that calls `torch.ops.hsoffload.*` without using the Python API first."""
     global _loaded_path  # the process-wide fact "the library is loaded"; torch.ops has no unload
     if _loaded_path is not None:
         return _loaded_path
@@ -89,6 +97,8 @@ def load_library() -> Path:
             f"hsoffload: {library} was built for {_describe(info)}, running {_running()}. "
             f"Rebuild it against the running torch with: {REBUILD_COMMAND}"
         )
+    import torch
+
     try:
         torch.ops.load_library(str(library))
     except OSError as exc:

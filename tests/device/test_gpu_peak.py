@@ -1,4 +1,4 @@
-"""hsoffload.bench.gpu_peak on any machine: its predictions at Llama-3-8B and Qwen3-30B-A3B width, its report, and a
+"""hsoffload.tools.bench.gpu_peak on any machine: its predictions at Llama-3-8B and Qwen3-30B-A3B width, its report, and a
 clear skip without CUDA.
 The measurement itself runs in the GPU suite (`make gpu-check`), where it writes both figures into bench.json."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsoffload.bench import gpu_peak
+from hsoffload.tools.bench import gpu_peak
 
 
 def test_predictions_at_8b_width(tmp_path: Path) -> None:

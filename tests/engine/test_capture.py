@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hsoffload
-from hsoffload import OffloadScope, capture
+from hsoffload import OffloadScope
+from hsoffload.offload import cuda_capture as capture
 from hsoffload._logging import forget_logged
 from support.device_model import LinearStack
 
@@ -103,7 +104,7 @@ def cached_tensor_registry():
 def test_a_tensor_a_cudagraph_tree_hands_out_is_recognised(cached_tensor_registry) -> None:
     """The decision of reduce-overhead pass-through: a replayed tree output (registered as a cached tensor by the
     tree) is tree memory; another tensor is not; with no tree manager for the device, nothing else is."""
-    from hsoffload.cudagraphs import in_tree_memory, owned_by_cudagraph_tree
+    from hsoffload.offload.cuda_graph_trees import in_tree_memory, owned_by_cudagraph_tree
 
     out = torch.randn(32, 32)
     torch._C._add_cached_tensor(out)
@@ -117,7 +118,8 @@ def test_pack_passes_tree_memory_through_and_counts_it(cached_tensor_registry, m
     """What the pack hook does with a tensor the decision calls tree memory (here a CPU tensor registered as a tree
     would register its output on a GPU; the CUDA-only gate is lifted): it stays where it is, counted in
     captured_passthrough, while the other saved activation moves; gradients equal no offload."""
-    from hsoffload import cudagraphs, scope as scope_module
+    from hsoffload.offload import cuda_graph_trees as cudagraphs
+    from hsoffload.offload import scope as scope_module
 
     monkeypatch.setattr(scope_module, "owned_by_cudagraph_tree", lambda t: cudagraphs.in_tree_memory(t, 0))
     monkeypatch.setattr(scope_module, "trees_loaded", lambda: True)  # as once inductor's trees are imported
@@ -143,7 +145,7 @@ def test_pack_passes_tree_memory_through_and_counts_it(cached_tensor_registry, m
 def test_the_tree_question_is_asked_only_of_marked_tensors_once_trees_exist(trees, monkeypatch) -> None:
     """The CUDA-graph-tree check costs Python work per save: the pack hook asks it only once inductor's trees are
     imported, and then only for tensors the engine would offload (marked), not for every saved tensor."""
-    from hsoffload import scope as scope_module
+    from hsoffload.offload import scope as scope_module
 
     asked: list[torch.Size] = []
     monkeypatch.setattr(scope_module, "owned_by_cudagraph_tree", lambda t: asked.append(t.shape) or False)

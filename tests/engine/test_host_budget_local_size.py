@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import hsoffload
-from hsoffload import host
+from hsoffload.offload import host
 from hsoffload._logging import forget_logged
 from hsoffload.integrations import deepspeed as hds
-from hsoffload.scope import OffloadScope
+from hsoffload.offload.scope import OffloadScope
 from support import hf_tiny as H
 
 CPU = {"offload_cpu_tensors": True, "min_offload_size": 0}
@@ -79,7 +79,7 @@ def test_slurm_tasks_per_node_reads_this_nodes_count(
     if node is not None:
         monkeypatch.setenv("SLURM_NODEID", node)
     assert _before_and_inside_a_scope() == (expected, expected)
-    assert hsoffload.host.local_size() == (expected, "SLURM_TASKS_PER_NODE" if node is not None else
+    assert hsoffload.offload.host.local_size() == (expected, "SLURM_TASKS_PER_NODE" if node is not None else
                                            "SLURM_TASKS_PER_NODE (no SLURM_NODEID: the largest count)")
 
 
@@ -98,7 +98,7 @@ def test_srun_then_torchrun_counts_torchruns_ranks(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("SLURM_NODEID", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert _before_and_inside_a_scope() == (8, 8)
-    assert hsoffload.host.local_size() == (8, "LOCAL_WORLD_SIZE")
+    assert hsoffload.offload.host.local_size() == (8, "LOCAL_WORLD_SIZE")
 
 
 def test_the_explicit_override_wins_and_a_bad_one_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,7 +107,7 @@ def test_the_explicit_override_wins_and_a_bad_one_is_an_error(monkeypatch: pytes
     assert _before_and_inside_a_scope() == (3, 3)
     monkeypatch.setenv("HSOFFLOAD_LOCAL_WORLD_SIZE", "eight")
     with pytest.raises(ValueError, match="HSOFFLOAD_LOCAL_WORLD_SIZE must be the number of ranks on this node.*'eight'"):
-        hsoffload.host.local_size()
+        hsoffload.offload.host.local_size()
     with pytest.raises(ValueError, match="HSOFFLOAD_LOCAL_WORLD_SIZE"):  # at scope entry, not in a pack
         hsoffload.set_host_budget("auto")
         with OffloadScope(max_host_bytes="auto", **CPU):
@@ -118,7 +118,7 @@ def test_the_explicit_override_wins_and_a_bad_one_is_an_error(monkeypatch: pytes
 def test_a_malformed_launcher_variable_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
-    assert hsoffload.host.local_size() == (2, "SLURM_NTASKS_PER_NODE")
+    assert hsoffload.offload.host.local_size() == (2, "SLURM_NTASKS_PER_NODE")
 
 
 @pytest.mark.parametrize("rank_var", ["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"])

@@ -14,10 +14,13 @@ import torch
 import hsoffload
 
 
-def _import_in_subprocess(env_updates: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+def _import_in_subprocess(env_updates: dict[str, str], cwd: Path,
+                          code: str = "import hsoffload; hsoffload.OffloadScope") -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh process: by default the first use of an offload feature, which loads the library
+    (`import hsoffload` alone loads none)."""
     env = dict(os.environ, **env_updates)
     return subprocess.run(
-        [sys.executable, "-c", "import hsoffload"], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
     )
 
 
@@ -50,6 +53,9 @@ def test_missing_library_names_places_and_command(tmp_path: Path) -> None:
     assert out.returncode != 0
     assert "libhsoffload.so was not found" in out.stderr and "nowhere.so" in out.stderr
     assert "Build it with" in out.stderr
+    # The package itself imports, and its planner runs, without the library.
+    out = _import_in_subprocess(env, tmp_path, "import hsoffload, hsoffload.plan; print(hsoffload.plan.plan)")
+    assert out.returncode == 0, out.stderr
 
 
 def test_load_is_idempotent() -> None:

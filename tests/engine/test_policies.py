@@ -156,13 +156,13 @@ def test_sac_offloads_what_sac_keeps_plus_the_hidden_states_bitwise(family):
     assert stats[0].restored_tensors == per_step
     # ... and from the second step on it is recomputed instead of copied: every copy is read back (not on torch 2.11,
     # which asks the policy again in the recompute and needs the same answer: there it is copied every step).
-    learns = hsoffload.sac.recomputes_unread_entries()
+    learns = hsoffload.offload.sac.recomputes_unread_entries()
     for s in stats[1:]:
         offloaded = per_step if learns else per_step + H.LAYERS
         assert (s.offloaded_tensors, s.restored_tensors) == (offloaded, per_step), (s.offloaded_tensors, per_step)
     assert all(s.prefetch_hits > 0 for s in stats)
     down_proj = {(aten.mm.default, 6)}
-    assert all(hsoffload.sac.layer_memory(layer).unread == down_proj for layer in model.model.layers)
+    assert all(hsoffload.offload.sac.layer_memory(layer).unread == down_proj for layer in model.model.layers)
 
 
 def test_sac_entries_learned_unread_are_recomputed_bitwise_when_a_recompute_reaches_them():
@@ -174,9 +174,9 @@ def test_sac_entries_learned_unread_are_recomputed_bitwise_when_a_recompute_reac
     data = H.batches(3)
     first = H.train_steps(model, data[:1], offload=True, steps=1, scope_kwargs=_kwargs(policy="sac"))
     H.assert_bitwise_equal(first, H.train_steps(twin, data[:1], offload=False, steps=1))
-    if not hsoffload.sac.recomputes_unread_entries():
+    if not hsoffload.offload.sac.recomputes_unread_entries():
         pytest.skip("this torch asks the SAC policy again in the recompute (2.11): unread entries are copied")
-    assert all(hsoffload.sac.layer_memory(layer).unread for layer in model.model.layers)
+    assert all(hsoffload.offload.sac.layer_memory(layer).unread for layer in model.model.layers)
 
     def without_early_stop(m: torch.nn.Module, batch: dict) -> torch.Tensor:
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
@@ -241,7 +241,7 @@ def test_sac_inside_a_scope_warns_nothing_and_routes_kept_tensors_through_the_ho
     kept = len(saved) // 6
     if policy == "hidden_states":
         assert all(s.offloaded_tensors == s.restored_tensors == H.LAYERS for s in stats)
-        assert all(s.saved_tensors_seen == baseline + (kept if hsoffload.sac.HOOKS_ROUTE else 0) for s in stats)
+        assert all(s.saved_tensors_seen == baseline + (kept if hsoffload.offload.sac.HOOKS_ROUTE else 0) for s in stats)
     elif policy == "sac":
         assert stats[0].offloaded_tensors == kept + H.LAYERS
     else:  # "all" picks among autograd's saves; what SAC keeps follows the SAC policy alone (as on older torch)
@@ -249,7 +249,7 @@ def test_sac_inside_a_scope_warns_nothing_and_routes_kept_tensors_through_the_ho
 
 
 def test_sac_with_respect_saved_tensors_hooks_false_keeps_the_storage_route():
-    if not hsoffload.sac.HOOKS_ROUTE:
+    if not hsoffload.offload.sac.HOOKS_ROUTE:
         pytest.skip("this torch's checkpoint has no respect_saved_tensors_hooks (the storage route is the only one)")
     model = H.tiny_model("llama")
     saved: list[int] = []
@@ -319,7 +319,7 @@ def test_must_cpu_offload_outputs_are_offloaded_by_the_engine_and_nothing_else_m
         assert stats[0].offloaded_bytes == hidden_bytes + mm_bytes
     # each layer's down_proj output is never read (the recompute stops before it): recomputed from the second step
     assert stats[0].restored_tensors == stats[0].offloaded_tensors - H.LAYERS
-    unread = 0 if hsoffload.sac.recomputes_unread_entries() else H.LAYERS  # torch 2.11: copied every step
+    unread = 0 if hsoffload.offload.sac.recomputes_unread_entries() else H.LAYERS  # torch 2.11: copied every step
     for s in stats[1:]:
         assert (s.offloaded_tensors, s.restored_tensors) == (per_step + bmm + unread, per_step + bmm)
     assert all(s.prefetch_hits > 0 for s in stats)
@@ -381,7 +381,7 @@ def test_cpu_offload_in_a_layer_the_budget_keeps_stays_on_the_device():
         model(**data[0]).loss.backward()
     layers = scope.layer_stats
     assert layers["model.layers.2"].offloaded_tensors == 0
-    unread = 0 if hsoffload.sac.recomputes_unread_entries() else 1  # torch 2.11: down_proj's output copied too
+    unread = 0 if hsoffload.offload.sac.recomputes_unread_entries() else 1  # torch 2.11: down_proj's output copied too
     assert layers["model.layers.0"].offloaded_tensors == layers["model.layers.1"].offloaded_tensors == 1 + 6 + unread
 
 
@@ -517,7 +517,7 @@ def test_layer_budget_applies_to_policy_all_without_checkpointing():
 
 
 def test_selected_layers_takes_the_first_share_before_the_kept_ones():
-    from hsoffload.layers import selected_layers
+    from hsoffload.offload.layers import selected_layers
 
     assert selected_layers(8, 2, 1.0) == [True] * 6 + [False] * 2
     assert selected_layers(8, 0, 0.5) == [True] * 4 + [False] * 4
@@ -556,7 +556,7 @@ def test_prefetch_groups_bring_back_a_whole_layer_ahead():
 
 
 def test_sac_cache_entries_serve_the_dict_and_the_list_layouts_of_torch_releases():
-    from hsoffload.sac import _OffloadingEntries
+    from hsoffload.offload.sac import _OffloadingEntries
 
     packed: list[object] = []
     entries = _OffloadingEntries(lambda v: packed.append(v) or v)

@@ -160,7 +160,7 @@ def test_spill_staging_is_reported(tmp_path) -> None:
 
 
 def test_one_limit_the_pool_follows_the_host_budget(fresh_pool) -> None:
-    engine = hsoffload.host._engine()
+    engine = hsoffload.offload.host._engine()
     before = hsoffload.budget_stats()
     try:
         hsoffload.set_host_budget(64 << 20)

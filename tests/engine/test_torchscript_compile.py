@@ -115,7 +115,7 @@ def test_compile_same_gradients_and_mark_traces_as_identity(cpu_scope_kwargs):
 def test_compile_logs_once_that_offload_was_ineffective(cpu_scope_kwargs, caplog, monkeypatch):
     import threading
 
-    from hsoffload import scope as scope_mod
+    from hsoffload.offload import scope as scope_mod
 
     monkeypatch.setattr(scope_mod, "_warned_unmarked", threading.Event())  # a fresh "log once" flag
     compiled = torch.compile(MarkAndUse(), backend="aot_eager")
@@ -160,3 +160,74 @@ def test_torchscript_models_offload_on_every_step_without_the_python_package(tmp
             assert torch.equal(a, b), f"{kind}: gradient {i} (step {i // 7}) differs from the run without offload"
     # Traced graphs replay eager ops: also bit-identical to the eager model.
     assert all(torch.equal(a, b) for a, b in zip(runs["offload"]["trace"][0], runs["plain"]["eager"][0]))
+
+
+_TS_MODEL = '''
+import torch
+
+
+class Marked(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.ops.hsoffload.mark_hidden_state(x * 2)
+        return (self.lin(h).tanh() * h).sum()
+'''
+
+_TS_SAVE = '''
+import sys, warnings
+import torch, hsoffload
+hsoffload.load_library()  # the documented call: `import hsoffload` alone loads no library
+from ts_model import Marked
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.jit.script(Marked()).save(sys.argv[1])
+'''
+
+_TS_LOAD = '''
+import sys
+import torch, hsoffload
+if sys.argv[2] == "load_library":
+    hsoffload.load_library()
+module = torch.jit.load(sys.argv[1])
+x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+def grads(scope):
+    module.zero_grad()
+    xr = x.clone().requires_grad_(True)
+    with torch.jit.optimized_execution(False):  # the same graph every run (no profiling-executor re-optimisation)
+        if scope is None:
+            module(xr).backward()
+        else:
+            with scope:
+                module(xr).backward()
+    return [xr.grad] + [p.grad.clone() for p in module.parameters()]
+ref = grads(None)
+scope = hsoffload.OffloadScope(offload_cpu_tensors=True, min_offload_size=0)
+got = grads(scope)
+assert all(torch.equal(a, b) for a, b in zip(ref, got)), "gradients differ"
+print("marked", scope.stats.marked_tensors, "offloaded", scope.stats.offloaded_tensors)
+'''
+
+
+def test_scripted_graph_saves_and_loads_in_fresh_processes_after_load_library(tmp_path) -> None:
+    """docs/usage.md, TorchScript: `hsoffload.load_library()` before `torch.jit.script` and before `torch.jit.load`.
+    A graph scripted in one fresh process loads in another and offloads with the same gradients; without the call,
+    `import hsoffload` alone registers no op, and loading fails naming the op (never a silent graph without marks)."""
+    (tmp_path / "ts_model.py").write_text(_TS_MODEL)
+    (tmp_path / "save.py").write_text(_TS_SAVE)
+    (tmp_path / "load.py").write_text(_TS_LOAD)
+    saved = tmp_path / "marked.pt"
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:" + __import__("os").environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, str(tmp_path / "save.py"), str(saved)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    run = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(saved), "load_library"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "marked 1 offloaded 2" in run.stdout
+    run = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(saved), "import_only"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert run.returncode != 0 and "hsoffload::mark_hidden_state" in run.stderr, run.stderr[-2000:]

@@ -161,7 +161,7 @@ def test_nested_entry_of_one_instance_is_accepted() -> None:
         layer(hidden()).sum().backward()
     assert not offload.active
     assert offload.stats.marked_tensors == 2
-    from hsoffload.current import current_scope
+    from hsoffload.offload.current import current_scope
 
     assert current_scope() is None
 

@@ -238,8 +238,8 @@ def test_deepspeed_checkpoint_function_is_named_with_what_to_do(
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from hsoffload import diagnostics
-    from hsoffload import scope as scope_mod
+    from hsoffload.offload import diagnostics
+    from hsoffload.offload import scope as scope_mod
     from hsoffload._logging import forget_logged
 
     forget_logged()
@@ -262,7 +262,7 @@ def test_zero3_parameter_aliases_are_recognised_by_storage_while_gathered() -> N
     """Issue 28 item 3, the rule itself: a tensor tagged `ds_id` (a ZeRO-3 parameter), a view of it, and a detached
     alias of its gathered data are ZeRO-3 parameters; once the partition is freed (0 elements) nothing aliases it,
     and an activation never does."""
-    from hsoffload.passthrough import Zero3Parameters
+    from hsoffload.offload.passthrough import Zero3Parameters
 
     weight = torch.nn.Parameter(torch.randn(8, 4))
     weight.ds_id = 7  # what deepspeed.zero.Init sets

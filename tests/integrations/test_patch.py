@@ -18,7 +18,7 @@ import hsoffload
 from hsoffload._logging import forget_logged
 from hsoffload.targets import checkpointing_enable_name, enable_checkpointing
 
-hpatch = importlib.import_module("hsoffload.patch")  # the package attribute `patch` is the function
+from hsoffload.offload import patch as hpatch  # noqa: E402  (the package attribute `patch` is the function)
 
 SCOPE = {"offload_cpu_tensors": True, "min_offload_size": 0}
 

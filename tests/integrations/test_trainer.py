@@ -203,7 +203,7 @@ def test_sft_trainer(tmp_path: Path) -> None:
 def test_trainer_policies_with_layer_budget_bitwise(tmp_path: Path, policy: str) -> None:
     """The Trainer integration passes policy and layer budget through: bitwise equal to the same training without
     offload, the last layer kept on the device, the per-layer line after the first step."""
-    from hsoffload.bench.policies import _sac_context_fn
+    from hsoffload.tools.bench.policies import _sac_context_fn
 
     layers = 4
     ckpt: dict[str, Any] = {"gradient_checkpointing": False}

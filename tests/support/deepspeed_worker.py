@@ -232,7 +232,7 @@ def _trainer_run(offload: bool, out_dir: str) -> dict[str, Any]:
     from ds_recording import recording_engine_steps
     from hf_tiny import tiny_config
 
-    import hsoffload.host
+    import hsoffload.offload.host
     import hsoffload.integrations
     from hsoffload.targets import current_training_args
 
@@ -277,7 +277,7 @@ def _trainer_run(offload: bool, out_dir: str) -> dict[str, Any]:
             hsoffload.integrations.enable_hidden_state_offload(trainer, offload_cpu_tensors=True, min_offload_size=0)
         trainer.train()
     record["zero_init"] = zero_init
-    record["host_room"] = hsoffload.host.host_room()
+    record["host_room"] = hsoffload.offload.host.host_room()
     # fp32 run: 16 B per parameter (Adam's moments, fp32 gradient and master), each rank its 1 / world size
     record["expected_room"] = -(-sum(int(p.ds_numel) for p in model.parameters()) * 16 // dist.get_world_size())
     hsoffload.set_host_room(0)

@@ -113,7 +113,7 @@ def test_bench_gpu_suite_refuses_without_cuda(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv", [["bench", "--seqs", "8k,32k", "--layers", "2", "--suite", "cpu"], ["demo", "--steps", "1"]])
 def test_cli_parses(argv: list[str]) -> None:
-    from hsoffload.cli import build_parser
+    from hsoffload.tools.cli import build_parser
 
     args = build_parser().parse_args(argv)
     if argv[0] == "bench":
@@ -140,7 +140,7 @@ def test_cli_parses(argv: list[str]) -> None:
     ],
 )
 def test_bad_arguments_are_refused_before_any_work(argv: list[str], names: str, capsys, tmp_path: Path) -> None:
-    from hsoffload import cli
+    from hsoffload.tools import cli
 
     os.chdir(tmp_path)  # a default --plot must not land in the checkout
     assert cli.main(argv) == 2
@@ -149,7 +149,7 @@ def test_bad_arguments_are_refused_before_any_work(argv: list[str], names: str, 
 
 
 def test_plot_into_a_directory_is_refused(tmp_path: Path, capsys) -> None:
-    from hsoffload import cli
+    from hsoffload.tools import cli
 
     assert cli.main(["demo", "--plot", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
@@ -175,7 +175,7 @@ def test_plan_and_bench_arguments_are_checked(tmp_path: Path) -> None:
 
 
 def test_demo_does_not_import_the_benchmark_package(tmp_path: Path) -> None:
-    code = "import sys, hsoffload.demo; print(sorted(m for m in sys.modules if m.startswith('hsoffload.bench')))"
+    code = "import sys, hsoffload.tools.demo; print(sorted(m for m in sys.modules if m.startswith('hsoffload.tools.bench')))"
     env = dict(os.environ, PYTHONPATH=str(Path(hsoffload.__file__).resolve().parent.parent),
                HSOFFLOAD_LIBRARY=str(hsoffload.load_library()))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

@@ -72,21 +72,91 @@ def test_no_import_cycle_in_the_package() -> None:
     assert not cycles, f"import cycles: {cycles}"
 
 
-def _layout_map() -> str:
+def _layout_map() -> tuple[str, str]:
+    """docs/design.md's layout map: (the engine and ops part, the package part)."""
     text = (ROOT / "docs" / "design.md").read_text()
     block = text.split("## Layout", 1)[1].split("```", 2)[1]
-    return block.split("\ntests/", 1)[0]  # the engine, the ops and the package (tests/ is described by folder)
+    engine, package = block.split("\npython_shim/hsoffload/", 1)
+    return engine, package.split("\ntests/", 1)[0]  # tests/ is described by folder
+
+
+def _package_map_paths(package: str) -> set[str]:
+    """The module paths (inside python_shim/hsoffload/) the package part of the map names: an indented entry line's
+    names, completed by the folder entries above it (`offload/` then `  scope.py` is offload/scope.py)."""
+    import re
+
+    named: set[str] = set()
+    folders: dict[int, str] = {}
+    for line in package.splitlines()[1:]:
+        entry = re.match(r"^( +)(\S.*?)(?: {2,}.*)?$", line)
+        if not entry or len(entry.group(1)) > 12:  # a description's continuation line
+            continue
+        depth = len(entry.group(1)) // 2
+        prefix = "".join(folders[d] for d in sorted(folders) if d < depth)
+        if entry.group(2).endswith("/") and "," not in entry.group(2):
+            folders = {d: f for d, f in folders.items() if d < depth}
+            folders[depth] = entry.group(2)
+            continue
+        folders = {d: f for d, f in folders.items() if d < depth}
+        named.update(prefix + name for name in re.findall(r"[\w/]+\.py\b", entry.group(2)))
+    return named
 
 
 def test_the_layout_map_names_every_engine_file_and_package_module() -> None:
-    """docs/design.md's map cannot drift: every header, op file and top-level package module is named in it, and every
-    file name it gives exists."""
+    """docs/design.md's map cannot drift: every header, op file and package module (by its path in the package) is
+    named in it, and every file it names exists."""
     import re
 
-    layout = _layout_map()
-    files = {p.name: p for p in (ROOT / "csrc" / "include" / "hsoffload").glob("*.h")}
-    files.update({p.name: p for p in (ROOT / "ops").iterdir() if p.suffix in (".h", ".cpp")})
-    files.update({p.name: p for p in PKG.glob("*.py")})
-    named = set(re.findall(r"(?<![/\w])\w+\.(?:py|h|cpp)\b", layout))  # a path (tests/...) is not a name here
-    assert not sorted(set(files) - named), f"not in docs/design.md's layout map: {sorted(set(files) - named)}"
-    assert not sorted(named - set(files)), f"docs/design.md's layout map names what is gone: {sorted(named - set(files))}"
+    engine, package = _layout_map()
+    files = {p.name for p in (ROOT / "csrc" / "include" / "hsoffload").glob("*.h")}
+    files.update(p.name for p in (ROOT / "ops").iterdir() if p.suffix in (".h", ".cpp"))
+    named = set(re.findall(r"(?<![/\w])\w+\.(?:h|cpp)\b", engine))
+    assert not sorted(files - named), f"not in docs/design.md's layout map: {sorted(files - named)}"
+    assert not sorted(named - files), f"docs/design.md's layout map names what is gone: {sorted(named - files)}"
+    modules = {p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")}
+    named = _package_map_paths(package)
+    assert not sorted(modules - named), f"package modules not in docs/design.md's layout map: {sorted(modules - named)}"
+    assert not sorted(named - modules), f"docs/design.md's layout map names modules that are gone: {sorted(named - modules)}"
+
+
+# The wings of the package and what each may import (besides the root's shared modules): no wing imports one beside
+# it or above it. The root's shared modules import no wing; the root's public aliases and __init__ are the front door.
+WINGS: dict[str, set[str]] = {
+    "offload": set(),
+    "loading": set(),
+    "planning": set(),
+    "integrations": {"offload", "loading"},
+    "tools": {"offload", "loading", "planning", "integrations"},
+}
+FRONT_DOOR = {"hsoffload", "hsoffload.__main__", "hsoffload.fsdp", "hsoffload.zero3_loading", "hsoffload.plan",
+              "hsoffload.axolotl", "hsoffload.axolotl_plugin"}
+
+
+def _wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in WINGS) else ""
+
+
+def test_no_wing_imports_a_wing_beside_or_above_it() -> None:
+    paths = {_module_name(p): p for p in PKG.rglob("*.py")}
+    assert set(WINGS) <= {_wing(m) for m in paths}, "a wing of WINGS is not a folder of the package"
+    wrong = []
+    for name, path in sorted(paths.items()):
+        if name in FRONT_DOOR:
+            continue
+        allowed = WINGS.get(_wing(name), set()) | {_wing(name)}
+        for dep in sorted(_imports(path, set(paths))):
+            if _wing(dep) and _wing(dep) not in allowed:
+                wrong.append(f"{name} -> {dep}")
+    assert not wrong, f"imports against the wings' order (tests/tooling/test_layout.py, WINGS): {wrong}"
+
+
+def test_the_planning_wing_needs_neither_torch_nor_transformers_at_import() -> None:
+    """Top-level imports of the planning wing (and what it imports of the package) are stdlib only."""
+    offenders = []
+    for path in (PKG / "planning").rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("torch", "transformers")]
+    assert not offenders, offenders

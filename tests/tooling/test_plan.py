@@ -15,7 +15,7 @@ import torch
 from support import hf_tiny as H
 import hsoffload
 from hsoffload import plan
-from hsoffload.cli import main
+from hsoffload.tools.cli import main
 from hsoffload.targets import enable_checkpointing
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,13 +66,13 @@ def test_one_million_tokens_does_not_fit_without_sequence_parallelism(capsys: py
     assert p["offloaded_bytes_per_rank"] == 32 * 1048576 * 4096 * 2  # 256 GiB per rank of hidden states
     assert p["verdict"] == "does not fit" and p["dominant_term"] == "logits"
     # The logits alone, in bf16, are 1M x 128256 x 2 B; the loss adds float32 log-probabilities and gradients.
-    assert p["term_logits_bytes"] == 1048576 * 128256 * 2
-    assert p["dominant_term_bytes"] > 5 * p["term_logits_bytes"]
+    assert p["terms"]["logits"] == 1048576 * 128256 * 2
+    assert p["dominant_term_bytes"] > 5 * p["terms"]["logits"]
     assert p["device_peak_bytes"] > 15 * 80 * GIB
     assert p["device_peak_bytes_checkpointing"] > p["device_peak_bytes"]
     assert p["device_peak_bytes_no_checkpointing"] > p["device_peak_bytes_checkpointing"]
     # One layer's recompute materialises the MLP's gate, up, act and product: 4 x 1M x 14336 x 2 B = 112 GiB.
-    assert p["term_mlp_saved_bytes"] == 4 * 1048576 * 14336 * 2
+    assert p["terms"]["mlp_saved"] == 4 * 1048576 * 14336 * 2
     assert "logits" in p["advice"] and "--sequence-parallel 8" in p["advice"] and p["fixes"]
     assert main(["plan", *args]) == 0
     text = capsys.readouterr().out
@@ -84,7 +84,7 @@ def test_one_million_tokens_with_ulysses_tiling_and_a_chunked_loss(capsys: pytes
     args = [LLAMA_8B, "--seq-len", "1048576", "--world-size", "8", "--device-gib", "80", "--sequence-parallel", "8",
             "--chunked-loss", "--tiled-mlp", "16"]
     roomy = _plan_json(capsys, *args, "--host-ram-gib", "4096")
-    assert roomy["tokens_per_rank"] == 131072 and roomy["term_logits_bytes"] == 0
+    assert roomy["tokens_per_rank"] == 131072 and roomy["terms"]["logits"] == 0
     assert roomy["offloaded_bytes_per_rank"] == 32 * 131072 * 4096 * 2
     assert roomy["verdict"] == "fits" and roomy["device_peak_bytes"] <= 80 * GIB
     assert roomy["device_peak_bytes_checkpointing"] > roomy["device_peak_bytes"] + 25 * GIB  # 31 of 32 inputs moved
@@ -100,24 +100,24 @@ def test_one_million_tokens_with_ulysses_tiling_and_a_chunked_loss(capsys: pytes
 def test_each_knob_moves_its_term(capsys: pytest.CaptureFixture[str]) -> None:
     base = [LLAMA_8B, "--seq-len", "65536", "--world-size", "8", "--device-gib", "80", "--host-ram-gib", "4096"]
     p = _plan_json(capsys, *base)
-    assert p["fsdp"] and p["term_weights_bytes"] == p["parameters"] * 2 // 8
+    assert p["fsdp"] and p["terms"]["weights"] == p["parameters"] * 2 // 8
     unsharded = _plan_json(capsys, *base, "--no-fsdp")
-    assert unsharded["term_weights_bytes"] == p["parameters"] * 2 and unsharded["term_fsdp_gathered_layers_bytes"] == 0
+    assert unsharded["terms"]["weights"] == p["parameters"] * 2 and unsharded["terms"]["fsdp_gathered_layers"] == 0
     single = _plan_json(capsys, LLAMA_8B, "--seq-len", "65536", "--host-ram-gib", "4096")
-    assert single["term_optimizer_states_bytes"] == single["parameters"] * 8 and not single["fsdp"]
-    assert _plan_json(capsys, *base, "--optimizer", "sgd")["term_optimizer_states_bytes"] == 0
+    assert single["terms"]["optimizer_states"] == single["parameters"] * 8 and not single["fsdp"]
+    assert _plan_json(capsys, *base, "--optimizer", "sgd")["terms"]["optimizer_states"] == 0
     chunked = _plan_json(capsys, *base, "--chunked-loss")
-    assert chunked["term_logits_bytes"] == 0 and chunked["device_peak_bytes"] < p["device_peak_bytes"]
+    assert chunked["terms"]["logits"] == 0 and chunked["device_peak_bytes"] < p["device_peak_bytes"]
     tiled = _plan_json(capsys, *base, "--tiled-mlp", "16")
-    assert tiled["term_mlp_saved_bytes"] == 65536 * 4096 * 2  # only the MLP's input
+    assert tiled["terms"]["mlp_saved"] == 65536 * 4096 * 2  # only the MLP's input
     sp = _plan_json(capsys, *base, "--sequence-parallel", "4")
     assert sp["tokens_per_rank"] == 16384 and sp["device_peak_bytes"] < p["device_peak_bytes"] / 3
     eager = _plan_json(capsys, *base, "--attn", "eager")
     # transformers' eager attention: float32 probabilities per head, S x S
-    assert eager["term_attention_saved_bytes"] > 32 * 65536 * 65536 * 4
+    assert eager["terms"]["attention_saved"] > 32 * 65536 * 65536 * 4
     assert eager["verdict"] == "does not fit"
     flash = _plan_json(capsys, *base, "--attn", "flash")
-    assert flash["term_attention_saved_bytes"] < 65536 * 4096 * 2 * 4
+    assert flash["terms"]["attention_saved"] < 65536 * 4096 * 2 * 4
     none = _plan_json(capsys, *base, "--no-checkpointing")
     assert none["policy"] == "all" and not none["checkpointing"]
     assert none["device_peak_bytes"] < none["device_peak_bytes_no_checkpointing"]
@@ -133,15 +133,15 @@ def test_max_seq_table(capsys: pytest.CaptureFixture[str]) -> None:
     rows = {row["knobs"]: row for row in r["rows"]}
     assert list(rows)[0] == "as given" and len(rows) == 5
     for row in r["rows"]:
-        assert row["hsoffload"] >= row["checkpointing"] > 0
-        assert row["hsoffload_peak_bytes"] <= 80 * GIB
-    lengths = [row["hsoffload"] for row in r["rows"]]
+        assert row["hsoffload"]["seq_len"] >= row["checkpointing"]["seq_len"] > 0
+        assert row["hsoffload"]["peak_bytes"] <= 80 * GIB
+    lengths = [row["hsoffload"]["seq_len"] for row in r["rows"]]
     assert lengths == sorted(lengths) and lengths[-1] > 1_000_000
     # Model states on the host free the 11.2 GiB of sharded states per rank (less the root's gathered weights).
     on_host = rows["+ chunked loss + tiled MLP + sequence parallel 8 + model states on host"]
-    assert on_host["hsoffload"] > 1.1 * rows["+ chunked loss + tiled MLP + sequence parallel 8"]["hsoffload"]
+    assert on_host["hsoffload"]["seq_len"] > 1.1 * rows["+ chunked loss + tiled MLP + sequence parallel 8"]["hsoffload"]["seq_len"]
     # The longest length that fits does fit, and 1024 tokens more does not.
-    best = rows["+ chunked loss"]["hsoffload"]
+    best = rows["+ chunked loss"]["hsoffload"]["seq_len"]
     common = [LLAMA_8B, "--world-size", "8", "--device-gib", "80", "--chunked-loss", "--host-ram-gib", "4096"]
     assert _plan_json(capsys, *common, "--seq-len", str(best))["verdict"] == "fits"
     assert _plan_json(capsys, *common, "--seq-len", str(best + 1024))["verdict"] == "does not fit"
@@ -150,13 +150,13 @@ def test_max_seq_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "checkpointing only" in text and "+ chunked loss + tiled MLP + sequence parallel 8" in text
     sp = _plan_json(capsys, LLAMA_8B, "--max-seq", "--world-size", "8", "--sequence-parallel", "8",
                     "--device-gib", "80")
-    assert all(row["hsoffload"] % 8 == 0 for row in sp["rows"]) and sp["rows"][-1]["hsoffload"] > 1_000_000
-    assert sp["rows"][0]["hsoffload"] > 4 * rows["as given"]["hsoffload"]
+    assert all(row["hsoffload"]["seq_len"] % 8 == 0 for row in sp["rows"]) and sp["rows"][-1]["hsoffload"]["seq_len"] > 1_000_000
+    assert sp["rows"][0]["hsoffload"]["seq_len"] > 4 * rows["as given"]["hsoffload"]["seq_len"]
     # One 80 GiB rank: AdamW's states alone (89.7 GiB) leave no room, until they move to the host.
     one = _plan_json(capsys, LLAMA_8B, "--max-seq", "--device-gib", "80")
-    assert [row["hsoffload"] for row in one["rows"][:-1]] == [0, 0, 0]
+    assert [row["hsoffload"]["seq_len"] for row in one["rows"][:-1]] == [0, 0, 0]
     assert one["rows"][-1]["knobs"] == "+ chunked loss + tiled MLP + model states on host"
-    assert one["rows"][-1]["hsoffload"] > 500_000 and one["rows"][-1]["checkpointing"] > 100_000
+    assert one["rows"][-1]["hsoffload"]["seq_len"] > 500_000 and one["rows"][-1]["checkpointing"]["seq_len"] > 100_000
     assert one["model_states_host_bytes_per_node"] == 8030261248 * 18  # bf16 weights, fp32 masters/grads, 2 moments
     assert main(["plan", LLAMA_8B, "--max-seq", "--device-gib", "40", "--optimizer", "adamw", "--world-size",
                  "1", "--micro-batch", "64"]) == 0
@@ -166,7 +166,7 @@ def test_max_seq_table(capsys: pytest.CaptureFixture[str]) -> None:
 def test_multimodal_and_moe_configs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import transformers
 
-    from hsoffload import plan_memory as pm
+    from hsoffload.planning import memory as pm
 
     moe = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -299,12 +299,12 @@ def test_model_states_on_the_host(capsys: pytest.CaptureFixture[str]) -> None:
     p = LLAMA_8B_PARAMETERS
     assert none["model_states_device_bytes"] == p * (2 + 2 + 8) and none["model_states_host_bytes_per_node"] == 0
     # optimizer: bf16 weights and gradients stay; two float32 moments, float32 masters and gradients on the host
-    assert opt["model_states_device_bytes"] == p * (2 + 2) and opt["term_optimizer_states_bytes"] == 0
-    assert opt["term_optimizer_update_bytes"] == 0 and opt["model_states_host_bytes_per_node"] == p * (8 + 4 + 4)
+    assert opt["model_states_device_bytes"] == p * (2 + 2) and opt["terms"]["optimizer_states"] == 0
+    assert opt["terms"]["optimizer_update"] == 0 and opt["model_states_host_bytes_per_node"] == p * (8 + 4 + 4)
     # params: only the root module's weights (gathered) on the device; the bf16 weights join the host side
     assert params["model_states_device_bytes"] == LLAMA_8B_ROOT * 2
     assert params["model_states_host_bytes_per_node"] == p * (8 + 4 + 4 + 2)
-    assert params["term_fsdp_gathered_layers_bytes"] == 2 * 218112000 * 2  # two whole layers, even on one rank
+    assert params["terms"]["fsdp_gathered_layers"] == 2 * 218112000 * 2  # two whole layers, even on one rank
     assert none["verdict"] == "does not fit" and "optimizer states" in none["advice"] and "--cpu-offload" in none["advice"]
     assert params["device_peak_bytes"] < opt["device_peak_bytes"] < none["device_peak_bytes"]
     assert opt["verdict"] == params["verdict"] == "fits"
@@ -324,7 +324,7 @@ def test_model_states_on_the_host(capsys: pytest.CaptureFixture[str]) -> None:
     # DeepSpeed's bf16 mixed precision keeps float32 masters beside the moments: on the device, 12 B per parameter;
     # on the host the same 16 B as AdamW (the masters are not counted twice).
     master = _plan_json(capsys, *args, "--optimizer", "adamw_master")
-    assert master["term_optimizer_states_bytes"] == p * 12 and master["term_optimizer_update_bytes"] == p * 4
+    assert master["terms"]["optimizer_states"] == p * 12 and master["terms"]["optimizer_update"] == p * 4
     assert _plan_json(capsys, *args, "--optimizer", "adamw_master", "--cpu-offload",
                       "optimizer")["model_states_host_bytes_per_node"] == p * 16
     # Sharded over 8 ranks on one node: each rank holds its eighth; the node holds them all.
@@ -354,13 +354,13 @@ def test_liger_kernels_save_what_their_autograd_functions_save(tmp_path: Path,
     eager = _plan_json(capsys, config, "--seq-len", str(t))
     liger = _plan_json(capsys, config, "--seq-len", str(t), "--fused-kernels", "liger")
     assert liger["chunked_loss"] and liger["fused_kernels"] == "liger"
-    assert eager["term_mlp_saved_bytes"] == 4 * t * i * b and liger["term_mlp_saved_bytes"] == 3 * t * i * b
+    assert eager["terms"]["mlp_saved"] == 4 * t * i * b and liger["terms"]["mlp_saved"] == 3 * t * i * b
     attention = t * (64 + 2 * 32 + 64) * b + t * 4 * 4  # q, k, v, output, float32 logsumexp per head
-    assert eager["term_attention_saved_bytes"] == liger["term_attention_saved_bytes"] == attention
+    assert eager["terms"]["attention_saved"] == liger["terms"]["attention_saved"] == attention
     eager_norms = 2 * t * h * (2 * b + 4)  # per norm: normalised + output in bf16, float32 copy of the input
     liger_norms = 2 * (t * h * b + t * 4) + t * h * b  # per norm: output + inverse RMS; the mid residual (its input)
-    assert eager["term_layer_saved_bytes"] == eager_norms + attention + 4 * t * i * b
-    assert liger["term_layer_saved_bytes"] == liger_norms + attention + 3 * t * i * b
+    assert eager["terms"]["layer_saved"] == eager_norms + attention + 4 * t * i * b
+    assert liger["terms"]["layer_saved"] == liger_norms + attention + 3 * t * i * b
     assert liger["device_peak_bytes"] < _plan_json(capsys, config, "--seq-len", str(t),
                                                    "--chunked-loss")["device_peak_bytes"]
     assert main(["plan", config, "--seq-len", str(t), "--fused-kernels", "liger"]) == 0
@@ -375,12 +375,12 @@ def test_sequence_parallel_kinds(tmp_path: Path, capsys: pytest.CaptureFixture[s
     common = [config, "--seq-len", "4096", "--world-size", "4", "--sequence-parallel", "4"]
     ulysses = _plan_json(capsys, *common)
     assert ulysses["sequence_parallel_kind"] == "ulysses" and ulysses["tokens_per_rank"] == t_rank
-    assert ulysses["term_ulysses_buffers_bytes"] == t_rank * (2 * 4 + 2 * 4) * hd * b  # 2 KV heads replicated to 4
-    assert ulysses["term_ring_buffers_bytes"] == 0
+    assert ulysses["terms"]["ulysses_buffers"] == t_rank * (2 * 4 + 2 * 4) * hd * b  # 2 KV heads replicated to 4
+    assert ulysses["terms"]["ring_buffers"] == 0
     ring = _plan_json(capsys, *common, "--sequence-parallel-kind", "ring")
     kv_chunk = t_rank * 2 * 2 * hd * b
-    assert ring["term_ring_buffers_bytes"] == 4 * kv_chunk + t_rank * 4 * (hd + 1) * 4
-    assert ring["term_ulysses_buffers_bytes"] == 0
+    assert ring["terms"]["ring_buffers"] == 4 * kv_chunk + t_rank * 4 * (hd + 1) * 4
+    assert ring["terms"]["ulysses_buffers"] == 0
     assert main(["plan", *common]) == 0
     assert "sequence parallel 4 (Ulysses all-to-all)" in capsys.readouterr().out
     assert main(["plan", *common, "--sequence-parallel-kind", "ring"]) == 0
@@ -438,9 +438,9 @@ def test_moe_routing_buffers(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     t = 2048
     p = _plan_json(capsys, str(tmp_path), "--seq-len", str(t), "--experts-implementation", "eager")
-    assert p["term_moe_routing_bytes"] == t * 4 * 17 * 8 + t * 4 * (8 + 2) + t * 64 * 2
+    assert p["terms"]["moe_routing"] == t * 4 * 17 * 8 + t * 4 * (8 + 2) + t * 64 * 2
     grouped = _plan_json(capsys, str(tmp_path), "--seq-len", str(t), "--experts-implementation", "grouped_mm")
-    assert grouped["term_moe_routing_bytes"] == 2 * t * 4 * 64 * 2 + t * 4 * (3 * 8 + 4)
+    assert grouped["terms"]["moe_routing"] == 2 * t * 4 * 64 * 2 + t * 4 * (3 * 8 + 4)
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
@@ -453,7 +453,7 @@ def test_moe_routing_buffers(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     dense_dir = tmp_path / "dense"
     dense_dir.mkdir()
     dense = _plan_json(capsys, _tiny(dense_dir), "--seq-len", str(t))
-    assert dense["term_moe_routing_bytes"] == 0 and dense["experts_implementation"] is None
+    assert dense["terms"]["moe_routing"] == 0 and dense["experts_implementation"] is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -564,8 +564,8 @@ def test_real_width_peak_matches_fake_tensor_tracking(name: str, vocab: Optional
     cfg.save_pretrained(tmp_path)
     p = plan.plan(plan.PlanInput(config=str(tmp_path), seq_len=seq, attn="flash", optimizer="adamw_param_dtype",
                                  checkpointing=checkpointing, host_ram_bytes=1 << 40, device_bytes=1 << 40))
-    predicted = p["device_peak_bytes_checkpointing" if checkpointing else "device_peak_bytes_no_checkpointing"]
-    assert abs(predicted - measured) <= 0.10 * measured, (measured / GIB, predicted / GIB, p["peak_phase"])
+    predicted = p.device_peak_bytes_checkpointing if checkpointing else p.device_peak_bytes_no_checkpointing
+    assert abs(predicted - measured) <= 0.10 * measured, (measured / GIB, predicted / GIB, p.peak_phase)
 
 
 def test_balanced_routing_answers_only_the_routing() -> None:
@@ -616,9 +616,9 @@ def test_real_width_moe_peak_matches_fake_tensor_tracking(name: str, experts: st
     p = plan.plan(plan.PlanInput(config=str(tmp_path), seq_len=seq, attn="flash", optimizer="adamw_param_dtype",
                                  checkpointing=checkpointing, experts_implementation=experts,
                                  host_ram_bytes=1 << 40, device_bytes=1 << 40))
-    predicted = p["device_peak_bytes_checkpointing" if checkpointing else "device_peak_bytes_no_checkpointing"]
+    predicted = p.device_peak_bytes_checkpointing if checkpointing else p.device_peak_bytes_no_checkpointing
     assert -0.03 * measured <= predicted - measured <= 0.10 * measured, (measured / GIB, predicted / GIB,
-                                                                        p["peak_phase"])
+                                                                        p.peak_phase)
 
 
 def test_max_seq_host_column(capsys: pytest.CaptureFixture[str]) -> None:
@@ -639,4 +639,38 @@ def test_max_seq_host_column(capsys: pytest.CaptureFixture[str]) -> None:
     assert past["verdict"] == "fits with spill" and past["spill_bytes_per_node"] > 0
     assert main(["plan", LLAMA_8B, "--max-seq", "--device-gib", "80", "--host-ram-gib", "256"]) == 0
     assert "host RAM, no spill (256 GiB per node)" in capsys.readouterr().out
-    assert "hsoffload_host_limit" not in _plan_json(capsys, LLAMA_8B, "--max-seq", "--device-gib", "80")["rows"][0]
+    assert _plan_json(capsys, LLAMA_8B, "--max-seq", "--device-gib", "80")["rows"][0]["hsoffload_host_limit"] is None
+
+
+def test_one_plan_shape_from_flags_a_call_and_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same PlanInput from CLI flags, a Python call and a JSON or YAML file gives the same PlanResult; --json is
+    the dataclass's own fields with the format version; flags beside --input override the file."""
+    flags = _plan_json(capsys, LLAMA_8B, "--seq-len", "65536", "--world-size", "8", "--device-gib", "80",
+                       "--host-ram-gib", "512", "--policy", "sac", "--no-fsdp")
+    inp = plan.PlanInput(config=LLAMA_8B, seq_len=65536, world_size=8, device_bytes=80 * GIB,
+                         host_ram_bytes=512 * GIB, policy="sac", fsdp=False)
+    called = plan.plan(inp)
+    assert isinstance(called, plan.PlanResult)
+    assert flags == json.loads(json.dumps(called.to_json()))
+    assert flags["format_version"] == plan.PLAN_FORMAT_VERSION
+    assert set(flags) == {"format_version"} | {f for f in plan.PlanResult.__dataclass_fields__}
+    (tmp_path / "config.json").write_text(Path(LLAMA_8B).read_text())
+    fields = {**inp.__dict__, "config": "config.json"}
+    (tmp_path / "run.json").write_text(json.dumps(fields))
+    assert _plan_json(capsys, "--input", str(tmp_path / "run.json")) == {**flags}
+    yaml = pytest.importorskip("yaml")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(fields))
+    assert _plan_json(capsys, "--input", str(tmp_path / "run.yaml")) == flags
+    longer = _plan_json(capsys, "--input", str(tmp_path / "run.json"), "--seq-len", "131072")
+    assert longer["seq_len"] == 131072 and longer["policy"] == "sac" and not longer["fsdp"]
+    (tmp_path / "bad.json").write_text(json.dumps({**fields, "seq_lenght": 8}))
+    assert main(["plan", "--input", str(tmp_path / "bad.json")]) == 2
+    assert "unknown key 'seq_lenght'; did you mean seq_len?" in capsys.readouterr().err
+
+
+def test_max_seq_result_is_typed() -> None:
+    r = plan.max_seq(plan.PlanInput(config=LLAMA_8B, seq_len=1, world_size=8, device_bytes=80 * GIB))
+    assert isinstance(r, plan.MaxSeqResult) and all(isinstance(row, plan.MaxSeqRow) for row in r.rows)
+    first = r.rows[0]
+    assert first.hsoffload.seq_len >= first.checkpointing.seq_len > 0 and first.hsoffload.peak_bytes <= 80 * GIB
+    assert r.to_json()["format_version"] == plan.PLAN_FORMAT_VERSION

@@ -51,7 +51,7 @@ def test_spill_ranges(tmp_path: Path) -> None:
 
 
 def test_bench_trace_writes_a_chrome_trace_and_a_timeline(tmp_path: Path) -> None:
-    from hsoffload.bench import trace
+    from hsoffload.tools.bench import trace
 
     path = tmp_path / "step.json"
     res = trace.run(str(path), device=torch.device("cpu"), layers=2, seq=32)

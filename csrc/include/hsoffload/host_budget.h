@@ -27,7 +27,7 @@ namespace hsoffload {
 struct AutoBudget {
   int64_t mem_available = 0;   // bytes, /proc/meminfo MemAvailable (0: unknown; then physical memory is used)
   int64_t local_world_size = 1;  // local_size(): the ranks on this node, 1 when no variable names them
-  int64_t limit = 0;           // 0.8 * mem_available / local_world_size
+  int64_t limit = 0;           // kAutoHostBudgetFraction (options.h) * mem_available / local_world_size
 };
 // Reads the figures now.
 AutoBudget compute_auto_budget();

@@ -14,6 +14,7 @@
 #include "hsoffload/host_budget.h"
 #include "hsoffload/host_pool.h"
 #include "hsoffload/marks.h"
+#include "hsoffload/options.h"
 #include "hsoffload/records.h"
 #include "hsoffload/spill.h"
 #include "hsoffload/stats.h"
@@ -32,38 +33,17 @@
 
 namespace hsoffload {
 
-// The engine's knobs of one scope. Validated by `validate()`. The Python `hsoffload.OffloadConfig` holds these
-// (passed to the OffloadScope class's constructor; spill_dir None there is "" here) plus shim-only fields the
-// engine never sees: policy, keep_last_layers, offload_fraction and offload_output_head (the shim decides what to
-// mark), max_host_bytes (applied to the process-wide budget through `set_host_budget` at entry) and
-// max_pool_bytes (the process-wide pool's `set_pool_limit` at entry).
+// The engine's knobs of one scope, validated by `validate()`: the fields, their defaults and doc lines are the
+// engine options of the one table of knobs (python_shim/hsoffload/options.py), through the generated options.h.
+// The Python `hsoffload.OffloadConfig` holds these (passed by name to the OffloadScope class's constructor;
+// spill_dir None there is "" here) plus shim-only fields the engine never sees: policy, keep_last_layers,
+// offload_fraction and offload_output_head (the shim decides what to mark), max_host_bytes (applied to the
+// process-wide budget through `set_host_budget` at entry), max_pool_bytes (the process-wide pool's
+// `set_pool_limit` at entry) and reserve_host_bytes.
 struct OffloadConfig {
-  // Marked tensors smaller than this many bytes stay where they are.
-  int64_t min_offload_size = 1024;
-  // Copy marked CPU tensors into the host pool too (exercises the whole path
-  // on machines without an accelerator). Off: marked CPU tensors are skipped.
-  bool offload_cpu_tensors = false;
-  // Use pinned host memory for accelerator tensors (required for async copies).
-  bool pin_memory = true;
-  // Copy on side streams ordered by events. Off: copies run on the compute stream.
-  bool use_streams = true;
-  // How many groups of offloaded tensors to bring back ahead of their unpack in backward (prefetch.h).
-  int64_t prefetch_depth = 1;
-  // Where packs that do not fit the host budget go ("": they stay on the
-  // device). Checked when the scope is entered.
-  std::string spill_dir;
-  // How many groups of spilled tensors to read back ahead of their unpack in backward.
-  int64_t spill_prefetch_depth = 2;
-  // With spill_dir: how long a pack may wait (ms) for the spill tier to free host budget when packs outrun the disk;
-  // past it, or with 0, the tensor stays on the device (kept_on_device_tensors). The wait counts in wait_ns.
-  int64_t spill_wait_ms = 30000;
-  static constexpr int64_t kMaxSpillWaitMs = 3600 * 1000;
-  // Let a later save share an earlier save's host copy beyond the saves of one node: a tensor several ops save (the
-  // input of q, k and v projections), a view inside a saved tensor, the chunks of one split (SharePolicy,
-  // records.h). Fewer copies and host bytes; but a write that bypasses the version counter (`.data`, a kernel
-  // writing through a raw pointer) between two saves then restores the first save's bytes. Off: each save restores
-  // the bytes it had at its own save.
-  bool share_copies = false;
+#define HSOFFLOAD_OPTION_FIELD(type, name, default_value) type name = default_value;
+  HSOFFLOAD_ENGINE_OPTIONS(HSOFFLOAD_OPTION_FIELD)
+#undef HSOFFLOAD_OPTION_FIELD
 
   void validate() const;
 };

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from ..patch import patch
-from ..config import OffloadConfig
-from ..current import entered_on_this_thread
-from ..scope import OffloadScope
+from ..offload.patch import patch
+from ..offload.config import OffloadConfig
+from ..offload.current import entered_on_this_thread
+from ..offload.scope import OffloadScope
 from ..stats import OffloadStats, from_engine
 
 logger = logging.getLogger("hsoffload")
@@ -112,7 +112,7 @@ class CheckpointHiddenStatesOffload(OffloadScope):
 
     def _engine_stats(self) -> OffloadStats:
         engine = from_engine(OffloadStats, self._scope.stats())
-        # Saves made during backward or in a kept layer stay in the shim (hsoffload.passthrough) and never reach the
+        # Saves made during backward or in a kept layer stay in the shim (hsoffload.offload.passthrough) and never reach the
         # engine; Axolotl's module counts every tensor its pack hook sees, so they count here too.
         kept = self.passthrough_stats
         seen = engine.saved_tensors_seen + kept.backward_saves + kept.kept_layer_saves

@@ -18,6 +18,7 @@ In the Axolotl YAML::
     hsoffload_spill_prefetch_depth: 2     # spilled tensors read back ahead of their use
     hsoffload_spill_wait_ms: 30000        # a pack's longest wait for host room when the disk lags (0: keep on device)
     hsoffload_use_streams: true           # copies on side streams
+    hsoffload_pin_memory: true            # pinned host buffers (needed for asynchronous copies)
     hsoffload_share_copies: false         # true: saves of one tensor by several ops share one host copy (fewer
                                           # bytes; a .data write between the saves then restores the first's bytes)
     hsoffload_offload_cpu_tensors: false  # also copy CPU tensors (CPU smoke runs; no benefit otherwise)
@@ -58,9 +59,10 @@ from typing import Any, Literal, Optional, Union
 import torch.utils.checkpoint
 
 from .trainer import enable_hidden_state_offload
-from ..patch import patch
+from ..offload.patch import patch
 from .._logging import log_once, route_info_to
-from ..config import OffloadConfig, parse_bytes
+from .. import options
+from ..offload.config import OffloadConfig
 
 logger = logging.getLogger("hsoffload")
 
@@ -75,52 +77,32 @@ except ImportError:  # Axolotl absent: a stand-in with the same (no-op) construc
             pass
 
 
-# Every Axolotl key the plugin reads, with what it accepts. The one source of truth for validation (below) and for
-# the pydantic schema Axolotl merges into its config (so Axolotl's own config check refuses bad values too).
-KEYS: dict[str, tuple[type, str]] = {
-    "hsoffload_min_offload_size": (int, "an int >= 0 (bytes)"),
-    "hsoffload_prefetch_depth": (int, "an int >= 0"),
-    "hsoffload_max_pool_bytes": (int, "null or an int >= 0 (bytes)"),
-    "hsoffload_max_host_bytes": (str, "auto, an int >= 0 (bytes) or a size such as 64GiB"),
-    "hsoffload_reserve_host_bytes": (str, "null, an int >= 0 (bytes) or a size such as 24GiB"),
-    "hsoffload_spill_dir": (str, "null or a directory path"),
-    "hsoffload_spill_prefetch_depth": (int, "an int >= 0"),
-    "hsoffload_spill_wait_ms": (int, "an int >= 0 (milliseconds)"),
-    "hsoffload_use_streams": (bool, "true or false"),
-    "hsoffload_share_copies": (bool, "true or false"),
-    "hsoffload_offload_cpu_tensors": (bool, "true or false"),
-    "hsoffload_policy": (str, "hidden_states, sac or all"),
-    "hsoffload_keep_last_layers": (int, "an int >= 0"),
-    "hsoffload_offload_fraction": (float, "a number from 0 to 1"),
-    "hsoffload_offload_output_head": (bool, "true or false"),
-    "hsoffload_zero3_loading": (bool, "true or false"),
-    "hsoffload_zero3_loading_verify": (bool, "true or false"),
-}
+# Every Axolotl key the plugin reads, with what it accepts: `hsoffload_<name>` for each option of the one table of
+# knobs (hsoffload.options), from which validation (below) and the pydantic schema Axolotl merges into its config (so
+# Axolotl's own config check refuses bad values too) are made.
+KEYS: dict[str, options.Option] = {o.axolotl_key: o for o in options.OPTIONS}
+
+
+def _pydantic_field(option: options.Option) -> tuple[Any, Any]:
+    from pydantic import Field, StrictBool, StrictInt, StrictStr
+
+    kind = {
+        options.INT: StrictInt, options.BOOL: StrictBool, options.FLOAT: float, options.PATH: StrictStr,
+        options.BYTES: Union[StrictInt, StrictStr], options.BYTES_OR_AUTO: Union[StrictInt, StrictStr],
+        options.POLICY: Literal[tuple(p.value for p in options.PolicyName)],
+    }[option.kind]
+    bounds = {k: v for k, v in (("ge", option.minimum), ("le", option.maximum)) if v is not None}
+    return Optional[kind], Field(default=None, **bounds)
+
 
 try:
-    from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
+    import pydantic
 
-    class HsOffloadArgs(BaseModel):
-        """Axolotl config keys read by `HsOffloadPlugin` (merged into Axolotl's config schema)."""
-
-        hsoffload_min_offload_size: Optional[StrictInt] = Field(default=None, ge=0)
-        hsoffload_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
-        hsoffload_max_pool_bytes: Optional[StrictInt] = Field(default=None, ge=0)
-        hsoffload_max_host_bytes: Optional[Union[StrictInt, StrictStr]] = None
-        hsoffload_reserve_host_bytes: Optional[Union[StrictInt, StrictStr]] = None
-        hsoffload_spill_dir: Optional[StrictStr] = None
-        hsoffload_spill_prefetch_depth: Optional[StrictInt] = Field(default=None, ge=0)
-        hsoffload_spill_wait_ms: Optional[StrictInt] = Field(default=None, ge=0)
-        hsoffload_use_streams: Optional[StrictBool] = None
-        hsoffload_share_copies: Optional[StrictBool] = None
-        hsoffload_offload_cpu_tensors: Optional[StrictBool] = None
-        hsoffload_policy: Optional[Literal["hidden_states", "sac", "all"]] = None
-        hsoffload_keep_last_layers: Optional[StrictInt] = Field(default=None, ge=0)
-        hsoffload_offload_fraction: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-        hsoffload_offload_output_head: Optional[StrictBool] = None
-        hsoffload_zero3_loading: Optional[StrictBool] = None
-        hsoffload_zero3_loading_verify: Optional[StrictBool] = None
-
+    HsOffloadArgs = pydantic.create_model(  # type: ignore[call-overload]
+        "HsOffloadArgs",
+        __doc__="Axolotl config keys read by `HsOffloadPlugin` (merged into Axolotl's config schema).",
+        **{key: _pydantic_field(option) for key, option in KEYS.items()},
+    )
 except ImportError:  # pragma: no cover - pydantic ships with Axolotl
     HsOffloadArgs = None  # type: ignore[assignment,misc]
 
@@ -143,33 +125,16 @@ def validate_config(cfg: Any) -> None:
             close = difflib.get_close_matches(key[prefix:], [k[prefix:] for k in KEYS], n=1)
             hint = f"; did you mean hsoffload_{close[0]}?" if close else f"; known keys: {', '.join(KEYS)}"
             raise ValueError(f"hsoffload plugin: unknown Axolotl config key {key}{hint}")
-    for key, (kind, allowed) in KEYS.items():
+    for key, option in KEYS.items():
         value = _cfg_get(cfg, key)
         if value is None:
             continue
-        if key == "hsoffload_max_host_bytes":
-            try:
-                parse_bytes(value, key)
-                ok = True
-            except ValueError:
-                ok = False
-        elif key == "hsoffload_reserve_host_bytes":
-            try:
-                ok = parse_bytes(value, key) != "auto"
-            except ValueError:
-                ok = False
-        elif key == "hsoffload_policy":
-            ok = value in ("hidden_states", "sac", "all")
-        elif kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
-        elif kind is str:
-            ok = isinstance(value, str) and bool(value)
-        else:
-            ok = isinstance(value, bool) if kind is bool else (
-                isinstance(value, int) and not isinstance(value, bool) and value >= 0
-            )
-        if not ok:
-            raise ValueError(f"hsoffload plugin: {key}: {value!r} is not allowed; expected {allowed}")
+        try:
+            options.validate(option, value, what=key)
+        except (TypeError, ValueError):
+            raise ValueError(f"hsoffload plugin: {key}: {value!r} is not allowed; expected "
+                             f"{options.allowed(option)}") from None
+
 
 HIDDEN_STATES_MODE = "hidden_states"
 # Axolotl's handlers serve the "axolotl" logger tree at AXOLOTL_LOG_LEVEL (INFO by default); its root handlers show
@@ -234,23 +199,7 @@ def wants_zero3_loading(cfg: Any) -> bool:
 
 def offload_config(cfg: Any) -> OffloadConfig:
     """The `OffloadConfig` for an Axolotl config (`hsoffload_*` keys; defaults where unset)."""
-    values = {
-        "min_offload_size": _cfg_get(cfg, "hsoffload_min_offload_size"),
-        "prefetch_depth": _cfg_get(cfg, "hsoffload_prefetch_depth"),
-        "max_pool_bytes": _cfg_get(cfg, "hsoffload_max_pool_bytes"),
-        "use_streams": _cfg_get(cfg, "hsoffload_use_streams"),
-        "share_copies": _cfg_get(cfg, "hsoffload_share_copies"),
-        "offload_cpu_tensors": _cfg_get(cfg, "hsoffload_offload_cpu_tensors"),
-        "max_host_bytes": _cfg_get(cfg, "hsoffload_max_host_bytes"),
-        "reserve_host_bytes": _cfg_get(cfg, "hsoffload_reserve_host_bytes"),
-        "spill_dir": _cfg_get(cfg, "hsoffload_spill_dir"),
-        "spill_prefetch_depth": _cfg_get(cfg, "hsoffload_spill_prefetch_depth"),
-        "spill_wait_ms": _cfg_get(cfg, "hsoffload_spill_wait_ms"),
-        "policy": _cfg_get(cfg, "hsoffload_policy"),
-        "keep_last_layers": _cfg_get(cfg, "hsoffload_keep_last_layers"),
-        "offload_fraction": _cfg_get(cfg, "hsoffload_offload_fraction"),
-        "offload_output_head": _cfg_get(cfg, "hsoffload_offload_output_head"),
-    }
+    values = {o.name: _cfg_get(cfg, o.axolotl_key) for o in options.CONFIG_OPTIONS}
     return OffloadConfig(**{k: v for k, v in values.items() if v is not None})
 
 
@@ -290,12 +239,12 @@ class HsOffloadPlugin(BasePlugin):
         if is_enabled(cfg):
             patch()
         if wants_ram_efficient_loading(cfg):
-            from .. import fsdp
+            from ..loading import fsdp
 
             fsdp.patch()
             logger.info("hsoffload: FSDP cpu_ram_efficient_loading: non-rank-0 weight init is skipped (hsoffload.fsdp)")
         if wants_zero3_loading(cfg):
-            from .. import zero3_loading
+            from ..loading import zero3 as zero3_loading
 
             zero3_loading.patch(verify=_cfg_get(cfg, "hsoffload_zero3_loading_verify") is True)  # logs what it patched
         elif _cfg_get(cfg, "hsoffload_zero3_loading") is True:
@@ -307,7 +256,8 @@ class HsOffloadPlugin(BasePlugin):
     def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
         if not is_enabled(cfg):
             return
-        if not _cfg_get(cfg, "gradient_checkpointing") and _cfg_get(cfg, "hsoffload_policy") != "all":
+        policy = options.PolicyName.parse(_cfg_get(cfg, "hsoffload_policy") or options.default("policy"))
+        if not _cfg_get(cfg, "gradient_checkpointing") and not policy.offloads_every_save:
             logger.warning(
                 "hsoffload: activation_offloading: hidden_states needs gradient_checkpointing: true; without it "
                 "there are no checkpointed hidden states to offload (or set hsoffload_policy: all, which offloads "

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ..host import set_host_room
+from ..offload.host import set_host_room
 
 logger = logging.getLogger("hsoffload")
 

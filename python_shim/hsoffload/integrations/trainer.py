@@ -33,11 +33,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..patch import check_model, patch, rebind_compiled_layers
-from ..config import OffloadConfig
-from ..scope import OffloadScope
+from ..offload.patch import check_model, patch, rebind_compiled_layers
+from ..offload.config import OffloadConfig
+from ..offload.scope import OffloadScope
 from ..stats import OffloadStats, is_snapshot
-from ..policy import policy_name
+from ..offload.policy import policy_name
 from .deepspeed import leave_room_for_zero_offload, trainer_deepspeed_config, zero_offload_host_bytes
 
 logger = logging.getLogger("hsoffload")

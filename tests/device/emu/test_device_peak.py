@@ -142,8 +142,8 @@ def test_planned_peak_matches_the_allocator(family: str, dtype: str, attn: str, 
             for seq in SEQS[attn]:
                 measured = _measure(family, seq, mode, dev, dtype, attn)
                 p = _predict(family, seq, mode, tmp_path, dtype, attn)
-                predicted = p["device_peak_bytes"] if mode != "checkpointing" else p["device_peak_bytes_checkpointing"]
-                rows.append((mode, seq, measured, predicted, (predicted - measured) / measured, p["peak_phase"]))
+                predicted = p.device_peak_bytes if mode != "checkpointing" else p.device_peak_bytes_checkpointing
+                rows.append((mode, seq, measured, predicted, (predicted - measured) / measured, p.peak_phase))
     worst = max(rows, key=lambda r: abs(r[4]))
     _errors[f"{family} {dtype} {attn}"] = worst[4]
     with capsys.disabled():
@@ -188,7 +188,7 @@ def test_offload_saving_matches_the_allocator(dev: torch.device, tmp_path: Path,
             measured[mode] = hsemu.stats()["peak_allocated_bytes"]
             p = plan.plan(plan.PlanInput(config=str(tmp_path), seq_len=seq, dtype="float32", attn="math",
                                          host_ram_bytes=1 << 40, device_bytes=1 << 40))
-            predicted[mode] = p["device_peak_bytes" if mode == "hidden_states" else "device_peak_bytes_checkpointing"]
+            predicted[mode] = p.device_peak_bytes if mode == "hidden_states" else p.device_peak_bytes_checkpointing
     saved_measured = measured["checkpointing"] - measured["hidden_states"]
     saved_predicted = predicted["checkpointing"] - predicted["hidden_states"]
     with capsys.disabled():

@@ -10,9 +10,10 @@ from typing import Optional
 
 import torch
 
-from ._logging import log_once
+from .._logging import log_once
+from ..options import PolicyName
 from .policy import Policy, marks_layer_inputs
-from .targets import (
+from ..targets import (
     checkpoint_function,
     checkpoint_wrapper_class,
     checkpointing_enable_name,
@@ -153,7 +154,7 @@ def _overriding_classes(layers: list[torch.nn.Module], base: type) -> list[str]:
     return sorted(names)
 
 
-def check_model(model: torch.nn.Module, policy: Policy = "hidden_states") -> int:
+def check_model(model: torch.nn.Module, policy: Policy = PolicyName.HIDDEN_STATES) -> int:
     """Log (once per problem) why offload would do nothing for (part of) `model`; return the number
     of checkpointed layers whose inputs the patch will certainly mark (layers overriding `__call__`
     are not counted)."""

@@ -5,7 +5,7 @@ Every policy ends in the same two engine calls (`mark`, then the pack op), so th
 - ``"hidden_states"``: the input of each checkpointed decoder layer (marked by the transformers patch);
 - ``"sac"``: that input, plus the tensors `torch.utils.checkpoint.create_selective_checkpoint_contexts` keeps for
   the layer (whatever the user's SAC policy saves); under every policy, the outputs a SAC policy marks
-  `CheckpointPolicy.*_CPU_OFFLOAD` (hsoffload.sac);
+  `CheckpointPolicy.*_CPU_OFFLOAD` (hsoffload.offload.sac);
 - ``"all"``: every saved activation of at least `min_offload_size` bytes (never parameters, buffers or views of
   them); the output head's (saved after a decoder layer ran, outside every layer) only with `offload_output_head`;
 - a callable ``(tensor, module_qualified_name) -> bool``.
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
+from ..options import PolicyName
 from .passthrough import PassthroughCounters, Zero3Parameters
 
 if TYPE_CHECKING:
@@ -31,27 +32,40 @@ if TYPE_CHECKING:
 
 
 PolicyFn = Callable[[torch.Tensor, str], bool]
-Policy = Union[str, PolicyFn]
-POLICIES = ("hidden_states", "sac", "all")
+Policy = Union[PolicyName, str, PolicyFn]  # a str is one of PolicyName's values (OffloadConfig makes it a PolicyName)
+POLICIES = tuple(p.value for p in PolicyName)
+
+# What a policy does is asked of the policy (hsoffload.options.PolicyName's properties), never compared by name; the
+# functions below answer it for callables too.
 
 
 def validate_policy(policy: Any) -> Policy:
-    """`policy` if it names a policy or is callable; a ValueError that lists the choices otherwise."""
-    if callable(policy) or (isinstance(policy, str) and policy in POLICIES):
-        return policy
-    raise ValueError(
-        f"hsoffload: policy must be one of {', '.join(repr(p) for p in POLICIES)} or a callable "
-        f"(tensor, module_qualified_name) -> bool, got {policy!r}"
-    )
+    """`policy` as a PolicyName, or the callable; a ValueError that lists the choices otherwise."""
+    return policy if callable(policy) else PolicyName.parse(policy)
 
 
 def policy_name(policy: Policy) -> str:
-    return policy if isinstance(policy, str) else getattr(policy, "__qualname__", "callable")
+    return str(PolicyName.parse(policy)) if not callable(policy) else getattr(policy, "__qualname__", "callable")
 
 
 def marks_layer_inputs(policy: Policy) -> bool:
     """Policies under which the patch marks a decoder layer's hidden_states (and checkpointing is expected)."""
-    return policy in ("hidden_states", "sac")
+    return not callable(policy) and PolicyName.parse(policy).marks_layer_inputs
+
+
+def picks_saved_tensors(policy: Policy) -> bool:
+    """The pack hook chooses among saved tensors (a Selector runs): callables and every named policy but one."""
+    return callable(policy) or PolicyName.parse(policy).picks_saved_tensors
+
+
+def offloads_sac_saves(policy: Policy) -> bool:
+    """Every tensor a selective-checkpoint context keeps is offloaded (the layer's checkpoint must be selective)."""
+    return not callable(policy) and PolicyName.parse(policy).offloads_sac_saves
+
+
+def offloads_every_save(policy: Policy) -> bool:
+    """Every saved activation worth a copy is offloaded, no checkpointing needed."""
+    return not callable(policy) and PolicyName.parse(policy).offloads_every_save
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -122,6 +136,8 @@ class Selector:
         offload_output_head: bool,
     ) -> None:
         self._policy = policy
+        self._sac = offloads_sac_saves(policy)
+        self._every = offloads_every_save(policy)
         self._tracker = tracker
         self._min = min_offload_size
         self._cpu = offload_cpu_tensors
@@ -149,14 +165,14 @@ class Selector:
         visit = self._tracker.current
         if visit is not None and not visit.offload:
             return False
-        if self._policy == "sac":
+        if self._sac:
             # A compiled checkpointed layer saves what its SAC policy keeps through autograd: offload those saves.
             return visit is not None and visit.compiled and visit.checkpointed and self.movable(x)
-        if visit is None and self._tracker.layer_ran and not self._head and self._policy == "all":
+        if visit is None and self._tracker.layer_ran and not self._head and self._every:
             return False
         if not self.movable(x):
             return False
-        if self._policy == "all":
+        if self._every:
             return True
         name = "" if visit is not None and visit.compiled else current_module_name()
         return bool(self._policy(x, name or (visit.name if visit is not None else "")))

@@ -18,7 +18,7 @@ GradientCheckpointingLayer.
 
 Both are `ClassPatch`es (hsoffload.classpatch): they chain through whatever is installed when
 `patch()` runs and `unpatch()` restores exactly or turns ours into a pass-through. Why a call does
-not offload is logged by hsoffload.diagnostics.
+not offload is logged by hsoffload.offload.diagnostics.
 """
 
 from __future__ import annotations
@@ -31,18 +31,18 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import current
-from ._logging import log_once
+from .._logging import log_once
 from . import diagnostics
 from . import layers as _layers
 from . import policy as _policy
 from . import sac as _sac
-from .classpatch import PATCH_ATTR, ClassPatch
+from ..classpatch import PATCH_ATTR, ClassPatch
 from .config import OffloadConfig
 from .current import current_scope
 from .diagnostics import check_model
 from .policy import marks_layer_inputs
 from .scope import OffloadScope
-from .targets import (
+from ..targets import (
     LAYER_ATTR,
     MARKING_WRAPPER_ATTR,
     checkpoint_wrapper_class,
@@ -101,7 +101,7 @@ def _mark_layer_inputs(scope: OffloadScope, layer: torch.nn.Module, args: tuple,
         return _pass_hidden_states_first(layer, args, kwargs, mark=False), False
     if not visit.offload or getattr(layer, _IN_CHECKPOINT_WRAPPER, False) or diagnostics.report_inactive(layer):
         return args, False
-    if policy == "sac" and not compiled and not _sac.wrap_checkpoint_fn(layer):
+    if _policy.offloads_sac_saves(policy) and not compiled and not _sac.wrap_checkpoint_fn(layer):
         diagnostics.report_sac_without_context(layer)
     args = _pass_hidden_states_first(layer, args, kwargs, mark=not at_checkpoint)
     diagnostics.report_reentrant_without_grad(layer, args)
@@ -226,10 +226,11 @@ def _make_checkpoint_wrapper_forward(previous: Callable[..., Any], patch: ClassP
         if scope is None or not self.training or not torch.is_grad_enabled():
             return previous(self, *args, **kwargs)
         policy = scope.config.policy
+        sac_policy = _policy.offloads_sac_saves(policy)
         visit = scope.layer_tracker.begin(layer, compiled=False, checkpointed=True)
         setattr(layer, _IN_CHECKPOINT_WRAPPER, True)
         try:
-            if policy == "sac" and visit.offload and not selective:
+            if sac_policy and visit.offload and not selective:
                 diagnostics.report_sac_without_context(layer)
             mark = marks_layer_inputs(policy) and visit.offload
             args = _pass_hidden_states_first(layer, args, kwargs, mark)  # may move kwargs["hidden_states"] into args

@@ -18,9 +18,9 @@ from typing import Optional, Union
 
 import torch
 
-from ._logging import log_once
-from .config import parse_bytes
-from .stats import BudgetStats, OffloadStats, PoolStats, from_engine
+from .._logging import log_once
+from ..options import AUTO_HOST_BUDGET_FRACTION, parse_bytes
+from ..stats import BudgetStats, OffloadStats, PoolStats, from_engine
 
 logger = logging.getLogger("hsoffload")
 
@@ -161,7 +161,7 @@ def _resolve_auto() -> BudgetStats:
     if room == 0:
         return engine_stats  # the engine's own figure is right
     local = engine_stats.local_world_size
-    limit = max(0, int((engine_stats.mem_available - room * local) * 0.8) // local)
+    limit = max(0, int((engine_stats.mem_available - room * local) * AUTO_HOST_BUDGET_FRACTION) // local)
     _engine().set_host_budget(limit)
     with _auto_lock:
         _auto_limit = limit

@@ -23,7 +23,7 @@ import torch
 
 from .. import workloads as common
 from ..workloads import LlamaShape, Progress, median
-from ..targets import disable_checkpointing, enable_checkpointing
+from ...targets import disable_checkpointing, enable_checkpointing
 
 logger = logging.getLogger("hsoffload")
 

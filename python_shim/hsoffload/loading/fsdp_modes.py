@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._logging import log_once
+from .._logging import log_once
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,7 +16,7 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
-from ..targets import checkpointing_enable_name, disable_checkpointing, enable_checkpointing
+from ...targets import checkpointing_enable_name, disable_checkpointing, enable_checkpointing
 
 logger = logging.getLogger("hsoffload")
 

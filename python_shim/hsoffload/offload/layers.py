@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from .current import current_scope
-from .stats import OffloadStats, from_engine
+from ..stats import OffloadStats, from_engine
 
 
 def selected_layers(count: int, keep_last_layers: int, offload_fraction: float) -> list[bool]:

@@ -58,6 +58,8 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+from ..options import PolicyName
+
 F32 = 4
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash", "math", "eager")
 # Optimizer state per parameter: bytes, or None for "two moments in the parameter's dtype" (torch.optim.AdamW on
@@ -66,7 +68,7 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash", "math", "eager")
 OPTIMIZERS: dict[str, Optional[int]] = {"adamw": 8, "adam": 8, "adamw_master": 12, "adamw_param_dtype": None,
                                         "adamw8bit": 2, "sgd": 0,
                                         "sgd_momentum": 4}
-OFFLOAD_POLICIES = ("hidden_states", "sac", "all")
+OFFLOAD_POLICIES = tuple(p.value for p in PolicyName)
 # Model states on the host: "optimizer" (optimizer states, float32 master weights and float32 gradients there, the
 # step on the CPU: ZeRO-Offload's offload_optimizer), "params" (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3
 # offload_param; the device holds only the layers gathered for compute).
@@ -319,13 +321,18 @@ class Setup:
         if self.offload is not None and self.offload not in OFFLOAD_POLICIES:
             raise PlanError(f"hsoffload plan: --policy must be one of {', '.join(OFFLOAD_POLICIES)}, got "
                             f"{self.offload!r}")
-        if self.offload in ("hidden_states", "sac") and not self.checkpointing:
+        if self.policy is not None and self.policy.marks_layer_inputs and not self.checkpointing:
             raise PlanError(f"hsoffload plan: policy {self.offload!r} offloads what checkpointing keeps; with "
                             "--no-checkpointing use --policy all")
         if self.keep_last_layers < 0 or self.prefetch_depth < 0:
             raise PlanError("hsoffload plan: --keep-last-layers and --prefetch-depth must be >= 0")
         if self.tiled_mlp > self.tokens:
             raise PlanError(f"hsoffload plan: --tiled-mlp {self.tiled_mlp} exceeds the {self.tokens} tokens per rank")
+
+    @property
+    def policy(self) -> Optional[PolicyName]:
+        """The offload policy (None: no hsoffload); what it does is asked of it, never compared by name."""
+        return None if self.offload is None else PolicyName.parse(self.offload)
 
     def check_sequence_parallel(self, shape: ModelShape) -> None:
         """Ulysses gives each rank heads / D whole heads: D must divide the attention heads, and the key/value heads
@@ -770,7 +777,7 @@ def unshared_save_parts(shape: ModelShape, s: Setup, moe: bool, offloaded: bool 
     two ops (act and the product): each copies the whole output (it spans nearly all of it), one more per routed
     token. A layer that keeps its tensors on the device (`keep_last_layers`, `offloaded` False) copies nothing. Probabilities: math's and eager float32's (softmax and the matmul with v). Liger's norms
     and RoPE are one node each (their saves share). Zeros when nothing is offloaded this way."""
-    if s.checkpointing or s.offload != "all" or s.share_copies or not offloaded:
+    if s.checkpointing or s.policy is None or not s.policy.offloads_every_save or s.share_copies or not offloaded:
         return 0, 0, 0
     t, b = s.tokens, s.dtype_bytes
     norm = 0 if s.liger else t * (shape.hidden + 1) * F32
@@ -802,7 +809,7 @@ def held_per_layer_bytes(shape: ModelShape, s: Setup, moe: bool, offloaded: bool
     if not s.checkpointing:
         return (layer_saved_bytes(shape, s, moe) + hidden_bytes(shape, s)
                 + unshared_save_bytes(shape, s, moe, offloaded))
-    sac = s.selective_checkpointing or s.offload == "sac"
+    sac = s.selective_checkpointing or (s.policy is not None and s.policy.offloads_sac_saves)
     per_token = shape.hidden + (sac_elements_per_token(shape) if sac else 0)
     return s.tokens * per_token * s.dtype_bytes
 
@@ -899,7 +906,7 @@ def _device_layers(s: Setup, layers: int, upto: int, in_backward: bool) -> list[
 
 def phases(shape: ModelShape, s: Setup) -> list[Phase]:
     """Every phase of one step with its terms (bytes), in order."""
-    moe_flags = [_is_moe(shape, i) for i in range(shape.layers)]
+    moe_flags = [is_moe_layer(shape, i) for i in range(shape.layers)]
     offloaded = [i < shape.layers - s.keep_last_layers for i in range(shape.layers)]  # kept layers copy nothing
     held = [held_per_layer_bytes(shape, s, m, o) for m, o in zip(moe_flags, offloaded)]
     weights = weights_bytes(shape, s)
@@ -941,7 +948,7 @@ def phases(shape: ModelShape, s: Setup) -> list[Phase]:
     return out
 
 
-def _is_moe(shape: ModelShape, index: int) -> bool:
+def is_moe_layer(shape: ModelShape, index: int) -> bool:
     """Which layers are MoE: the last `moe_layers` (dense ones come first in the configs the planner reads)."""
     return index >= shape.layers - shape.moe_layers
 

@@ -18,7 +18,7 @@ import torch
 
 from . import workloads as common
 from .workloads import LlamaShape, SavedBytesTimeline, pyplot
-from .targets import enable_checkpointing
+from ..targets import enable_checkpointing
 
 logger = logging.getLogger("hsoffload")
 

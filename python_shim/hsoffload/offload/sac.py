@@ -34,9 +34,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._logging import log_once, was_logged
+from .._logging import log_once, was_logged
 from .current import current_scope
-from .targets import LAYER_ATTR, unwrap_marking
+from .policy import offloads_sac_saves
+from ..targets import LAYER_ATTR, unwrap_marking
 
 _SAVE = frozenset({CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE})
 # *_CPU_OFFLOAD -> the save that torch's eager checkpoint understands (MUST stays MUST for other subsystems).
@@ -117,7 +118,7 @@ class _SacCall:
     def __init__(self, scope: Any, offload_allowed: bool, memory: _LayerMemory) -> None:
         self.scope = scope
         self.offload_allowed = offload_allowed  # the layer budget chose this layer and the cache may be offloaded
-        self.offload_saves = scope.config.policy == "sac"  # every save, not only *_CPU_OFFLOAD ones
+        self.offload_saves = offloads_sac_saves(scope.config.policy)  # every save, not only *_CPU_OFFLOAD ones
         self.memory = memory
         self.counters: dict[Any, int] = collections.defaultdict(int)
         self.offloaded: set[tuple[Any, int]] = set()
@@ -303,11 +304,11 @@ def _prepare(contexts: Any, call: _SacCall, respect: Optional[bool], name: str) 
     """Wrap the SAC policy of `contexts` for `call` and choose the route: True for torch's hooks route (SAC-kept
     tensors reach the scope's pack hook), False when they bypass the hooks (then the cache storage is swapped for an
     offloading one where offloads are possible)."""
-    policy_name = call.scope.config.policy
+    sac_policy = offloads_sac_saves(call.scope.config.policy)
     fwd, rec = contexts if isinstance(contexts, tuple) and len(contexts) == 2 else (None, None)
     policy_fn = getattr(fwd, "policy_fn", None)
     if not callable(policy_fn):
-        if policy_name == "sac" and call.offload_allowed:
+        if sac_policy and call.offload_allowed:
             _say_unknown_context(name)
         return bool(respect) if respect is not None else HOOKS_ROUTE
     if getattr(rec, "allow_cache_entry_mutation", False):
@@ -332,7 +333,7 @@ def _prepare(contexts: Any, call: _SacCall, respect: Optional[bool], name: str) 
         rec.policy_fn = wrapped
     if not hooks_route and call.offload_allowed and not _swap_storage(fwd, rec, call):
         call.offload_allowed = False
-        if policy_name == "sac":
+        if sac_policy:
             _say_unknown_context(name)
     return hooks_route
 

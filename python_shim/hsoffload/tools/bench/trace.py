@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .. import workloads as common
-from ..targets import enable_checkpointing
+from ...targets import enable_checkpointing
 
 logger = logging.getLogger("hsoffload")
 

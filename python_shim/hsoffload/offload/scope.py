@@ -3,7 +3,7 @@
 
 The scope composes what the other modules decide: the policy's `Selector` (which saves to mark), the `LayerTracker`
 (layer budget, prefetch groups, per-layer counters), policy "sac"'s cache packing, and DTensor handling (a marked
-DTensor offloads its local shard). Thread-safety: a scope is entered on one thread (`hsoffload.current`); its hooks
+DTensor offloads its local shard). Thread-safety: a scope is entered on one thread (`hsoffload.offload.current`); its hooks
 run on that thread in forward and on autograd's threads in backward, where only the engine (thread-safe) is called.
 """
 
@@ -18,20 +18,20 @@ from typing import Any, Optional
 
 import torch
 
-from . import capture, current, diagnostics
-from ._logging import log_once
+from . import cuda_capture, current, diagnostics
+from .._logging import log_once
 from .config import OffloadConfig
-from .cudagraphs import owned_by_cudagraph_tree, trees_loaded
+from .cuda_graph_trees import owned_by_cudagraph_tree, trees_loaded
 from .current import current_scope
-from .graph_tasks import GraphTaskWatch
+from .autograd_tasks import GraphTaskWatch
 from .host import apply_host_budget, budget_stats, reserve_host
 from .layers import LayerStats, LayerTracker, reset_head_state_on_forward
 from .passthrough import BackwardSave, PassthroughCounters, PassthroughStats, in_backward
-from .policy import Selector, policy_name, track_module_names
+from .policy import Selector, picks_saved_tensors, policy_name, track_module_names
 from . import sac
 from .sac import SacHandle, pack_sac_value, take_pending
-from .stats import OffloadStats, SpillStats, from_engine
-from .targets import checkpointing_enable_name as _checkpointing_enable_name
+from ..stats import OffloadStats, SpillStats, from_engine
+from ..targets import checkpointing_enable_name as _checkpointing_enable_name
 
 logger = logging.getLogger("hsoffload")
 
@@ -91,17 +91,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             raise TypeError("hsoffload: pass either config= or keyword options, not both")
         self.config = config if config is not None else OffloadConfig(**kwargs)
         c = self.config
-        self._scope = torch.classes.hsoffload.OffloadScope(
-            c.min_offload_size,
-            c.offload_cpu_tensors,
-            c.pin_memory,
-            c.use_streams,
-            c.prefetch_depth,
-            c.spill_dir or "",
-            c.spill_prefetch_depth,
-            c.spill_wait_ms,
-            c.share_copies,
-        )
+        self._scope = torch.classes.hsoffload.OffloadScope(**c.engine_kwargs())  # by name: the table's engine options
         scope_id = int(self._scope.id())
         pack_op = torch.ops.hsoffload.offload_pack.default
         unpack_op = torch.ops.hsoffload.offload_unpack.default
@@ -119,7 +109,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         )
         self._passthrough = PassthroughCounters()
         self._selector.counters = self._passthrough
-        select = self._selector if c.policy != "hidden_states" else None
+        select = self._selector if picks_saved_tensors(c.policy) else None
         bump = self._passthrough.bump
         sac_state = sac.state
         owned_by_tree = owned_by_cudagraph_tree
@@ -128,13 +118,13 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         tracker = self.layer_tracker
 
         def pack_hook(x: torch.Tensor) -> Any:
-            probe = capture.capture_probe()  # None where the engine tells capture itself (torch >= 2.13)
+            probe = cuda_capture.capture_probe()  # None where the engine tells capture itself (torch >= 2.13)
             if probe is not None and probe():
                 return pack_op(x, scope_id, True)  # a graph is being captured: x stays where it is
             pending = sac_state.pending  # a tensor the SAC cache keeps (torch >= 2.14 routes it here)
             if pending is not None and pending.claims(x):
                 return pack_sac_kept(x, pending)
-            if in_backward():  # never a new marked save, whatever it aliases (hsoffload.passthrough)
+            if in_backward():  # never a new marked save, whatever it aliases (hsoffload.offload.passthrough)
                 bump("backward_saves")
                 return BackwardSave(x)
             if select is not None:
@@ -186,7 +176,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         self._bound_models.add(model)
         if self.active:
             self._refresh_parameter_storages()  # otherwise the next entry reads them
-        if self.config.policy != "hidden_states":
+        if picks_saved_tensors(self.config.policy):
             reset_head_state_on_forward(model)
         if callable(self.config.policy):
             track_module_names(model)
@@ -230,7 +220,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             if not self._selector.movable(t):
                 return None  # small, CPU, or a weight a SAC policy keeps a view of (aten.t): it stays where it is
             self._scope.mark(t)
-            probe = capture.capture_probe()
+            probe = cuda_capture.capture_probe()
             return torch.ops.hsoffload.offload_pack(t, self.id, probe is not None and probe())
 
         return pack_sac_value(value, pack_tensor, pending)
@@ -432,7 +422,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
     @property
     def passthrough_stats(self) -> PassthroughStats:
         """Saved tensors kept in place without reaching the engine: saves during backward, ZeRO-3 parameters and
-        their aliases (hsoffload.passthrough)."""
+        their aliases (hsoffload.offload.passthrough)."""
         return self._passthrough.snapshot()
 
     def spill_stats(self) -> dict[str, int]:

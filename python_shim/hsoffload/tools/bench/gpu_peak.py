@@ -26,8 +26,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .. import plan
-from ..targets import enable_checkpointing
+from ...planning import plan
+from ...targets import enable_checkpointing
 
 logger = logging.getLogger("hsoffload")
 
@@ -70,8 +70,8 @@ def predict(config: Path, seq: int, method: str, device_bytes: Optional[int] = N
         experts_implementation=experts_implementation,
     ))
     key = "device_peak_bytes" if method == "hidden_states" else "device_peak_bytes_checkpointing"
-    return {"predicted_peak": p[key], "peak_phase": p["peak_phase"], "dominant_term": p["dominant_term"],
-            "experts_implementation": p["experts_implementation"]}
+    return {"predicted_peak": getattr(p, key), "peak_phase": p.peak_phase, "dominant_term": p.dominant_term,
+            "experts_implementation": p.experts_implementation}
 
 
 def _measure(config: Path, seq: int, method: str, device: torch.device) -> tuple[int, Optional[str]]:

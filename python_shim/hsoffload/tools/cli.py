@@ -7,12 +7,15 @@ through `logging.getLogger("hsoffload")`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from .. import options
 
 logger = logging.getLogger("hsoffload")
 
@@ -80,20 +83,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--time-limit", type=float, default=420.0, help="seconds after which the GPU suite stops starting new measurements (default 420)")
 
     pl = sub.add_parser("plan", help="before launch: a run's device peak and host/spill bytes, from a config.json alone")
-    pl.add_argument("config", help="a transformers config.json, or a directory holding one (no weights needed)")
+    pl.add_argument("config", nargs="?", default=None, help="a transformers config.json, or a directory holding one (no weights needed)")
+    pl.add_argument("--input", default=None, metavar="FILE", help="a JSON or YAML file of hsoffload.plan.PlanInput's fields (config relative to the file); flags given beside it override it")
     pl.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (required unless --max-seq)")
     pl.add_argument("--max-seq", action="store_true", help="instead: the longest sequence that fits the device, as one table (checkpointing only vs hsoffload, per knob combination)")
     pl.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and step (default 1)")
     pl.add_argument("--world-size", type=int, default=1, help="ranks in all (default 1: nothing sharded)")
     pl.add_argument("--local-world-size", type=int, default=None, help="ranks per node (default: min(world size, 8))")
     pl.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
-    pl.add_argument("--bandwidth", type=float, default=25.0, metavar="GBps", help="host<->device copy bandwidth per rank, GB/s (default 25)")
+    pl.add_argument("--bandwidth", dest="bandwidth_gbps", type=float, default=25.0, metavar="GBps", help="host<->device copy bandwidth per rank, GB/s (default 25)")
     pl.add_argument("--tflops", type=float, default=400.0, help="sustained compute per rank, TFLOP/s (default 400)")
     pl.add_argument("--host-ram-gib", type=float, default=None, help="available RAM of one node, GiB (default: this machine's MemAvailable)")
     pl.add_argument("--device-gib", type=float, default=None, help="memory of one device, GiB (default: the local GPU's when there is one, else 80)")
-    pl.add_argument("--prefetch-depth", type=int, default=1, help="layers restored ahead in backward (default 1)")
-    pl.add_argument("--policy", default=None, help="hidden_states (default with checkpointing), sac (projection outputs kept) or all (default with --no-checkpointing)")
-    pl.add_argument("--keep-last-layers", type=int, default=0, help="last layers left on the device (default 0)")
+    # The flags that take a knob of OffloadConfig: their defaults from the one table (hsoffload.options).
+    knob = options.BY_NAME
+    pl.add_argument(knob["prefetch_depth"].plan_flag, type=int, default=knob["prefetch_depth"].default,
+                    help=f"layers restored ahead in backward (default {knob['prefetch_depth'].default})")
+    pl.add_argument(knob["policy"].plan_flag, default=None,
+                    help=f"{knob['policy'].default.value} (default with checkpointing), sac (projection outputs kept) "
+                    "or all (default with --no-checkpointing)")
+    pl.add_argument(knob["keep_last_layers"].plan_flag, type=int, default=knob["keep_last_layers"].default,
+                    help=f"last layers left on the device (default {knob['keep_last_layers'].default})")
     pl.add_argument("--optimizer", default="adamw", help="adamw (default: two float32 moments per parameter), adam, adamw_master (DeepSpeed bf16: float32 master weights and two moments on the device), adamw_param_dtype (torch AdamW on bf16 weights: moments in bf16), adamw8bit, sgd or sgd_momentum")
     pl.add_argument("--sequence-parallel", type=int, default=1, metavar="D", help="sequence parallelism of degree D: tokens per rank = micro-batch x seq / D (default 1)")
     pl.add_argument("--sequence-parallel-kind", default="ulysses", help="ulysses (default: DeepSpeed Ulysses/ALST, all-to-all buffers of q, k, v and the output; D must divide the attention heads) or ring (ring attention / torch context parallel: key/value chunks passed round; sdpa or flash only)")
@@ -103,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--experts-implementation", default=None, help="MoE models: grouped_mm (transformers 5.x's default: one grouped GEMM per projection) or eager (the loop over the experts, transformers 4.x); default: what the installed transformers runs for the model class")
     pl.add_argument("--cpu-offload", default="none", help="none (default), optimizer (optimizer states, float32 master weights and gradients in pinned host memory, the step on the CPU: ZeRO-Offload) or params (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3 offload_param; the device holds the gathered layers)")
     pl.add_argument("--attn", default="sdpa", help="sdpa (default) or flash: linear in the sequence; math (SDPA's fallback without fused kernels) or eager: quadratic")
-    pl.add_argument("--share-copies", action="store_true", help="as OffloadConfig(share_copies=True): policy all copies a tensor several ops save once (default: a copy per save, each restoring its own bytes)")
-    pl.add_argument("--no-checkpointing", action="store_true", help="no gradient checkpointing (hsoffload then offloads with policy all)")
-    pl.add_argument("--no-fsdp", action="store_true", help="weights, gradients and optimizer states replicated on every rank (default: FSDP-sharded over --world-size)")
+    pl.add_argument(knob["share_copies"].plan_flag, action="store_true", default=knob["share_copies"].default, help="as OffloadConfig(share_copies=True): policy all copies a tensor several ops save once (default: a copy per save, each restoring its own bytes)")
+    pl.add_argument("--no-checkpointing", dest="checkpointing", action="store_false", help="no gradient checkpointing (hsoffload then offloads with policy all)")
+    pl.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="weights, gradients and optimizer states replicated on every rank (default: FSDP-sharded over --world-size)")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
@@ -155,7 +165,9 @@ def _device(spec: Optional[str]) -> None:
 def validate(args: argparse.Namespace) -> None:
     """Raises UsageError naming the first argument that cannot work."""
     if args.command == "plan":
-        if args.seq_len is None and not args.max_seq:
+        if args.config is None and args.input is None:
+            raise UsageError("a config.json (or --input FILE) is required")
+        if args.seq_len is None and not args.max_seq and args.input is None:
             raise UsageError("--seq-len is required (or --max-seq)")
         for name in ("seq_len", "micro_batch", "world_size", "sequence_parallel", "tiled_mlp"):
             _at_least(args, name, 1)
@@ -163,9 +175,9 @@ def validate(args: argparse.Namespace) -> None:
             _at_least(args, "local_world_size", 1)
         _at_least(args, "prefetch_depth", 0)
         _at_least(args, "keep_last_layers", 0)
-        for name in ("bandwidth", "tflops"):
+        for name, flag in (("bandwidth_gbps", "--bandwidth"), ("tflops", "--tflops")):
             if getattr(args, name) <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+                raise UsageError(f"{flag} must be > 0, got {getattr(args, name)}")
         for name in ("host_ram_gib", "device_gib"):
             if getattr(args, name) is not None and getattr(args, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -206,39 +218,34 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--spill-dir {args.spill_dir!r} is not a directory")
 
 
+def plan_input(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """The one typed input of `hsoffload plan` from its flags: each flag's dest is a PlanInput field but for the GiB
+    sizes; with --input, the file's fields, overridden by the flags given beside it (those off their default)."""
+    from ..planning.shapes import PlanInput
+
+    sub = parser._subparsers._group_actions[0].choices["plan"]  # noqa: SLF001  (argparse keeps subparsers there)
+    gib = 1 << 30
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(PlanInput) if hasattr(args, f.name)}
+    values["host_ram_bytes"] = int(args.host_ram_gib * gib) if args.host_ram_gib is not None else None
+    values["device_bytes"] = int(args.device_gib * gib) if args.device_gib is not None else None
+    if args.input is None:
+        return PlanInput(**{**values, "seq_len": args.seq_len if args.seq_len is not None else 1})
+    given = {name: value for name, value in values.items()
+             if value != sub.get_default(name) and name not in ("host_ram_bytes", "device_bytes")}
+    given.update({k: values[k] for k in ("host_ram_bytes", "device_bytes") if values[k] is not None})
+    return dataclasses.replace(PlanInput.from_file(args.input), **given)
+
+
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from . import plan
+    from ..planning import plan
 
-    gib = 1 << 30
-    inp = plan.PlanInput(
-        config=args.config,
-        seq_len=args.seq_len if args.seq_len is not None else 1,
-        micro_batch=args.micro_batch,
-        world_size=args.world_size,
-        local_world_size=args.local_world_size,
-        dtype=args.dtype,
-        bandwidth_gbps=args.bandwidth,
-        tflops=args.tflops,
-        host_ram_bytes=int(args.host_ram_gib * gib) if args.host_ram_gib is not None else None,
-        device_bytes=int(args.device_gib * gib) if args.device_gib is not None else None,
-        prefetch_depth=args.prefetch_depth,
-        policy=args.policy,
-        keep_last_layers=args.keep_last_layers,
-        optimizer=args.optimizer,
-        sequence_parallel=args.sequence_parallel,
-        tiled_mlp=args.tiled_mlp,
-        chunked_loss=args.chunked_loss,
-        attn=args.attn,
-        checkpointing=not args.no_checkpointing,
-        fsdp=not args.no_fsdp,
-        cpu_offload=args.cpu_offload,
-        fused_kernels=args.fused_kernels,
-        sequence_parallel_kind=args.sequence_parallel_kind,
-        experts_implementation=args.experts_implementation,
-        share_copies=args.share_copies,
-    )
+    try:
+        inp = plan_input(args, build_parser())
+    except ValueError as exc:
+        print(str(exc).splitlines()[0], file=sys.stderr)
+        return 2
     try:
         if args.max_seq:
             result = plan.max_seq(inp)
@@ -249,7 +256,7 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
         return 2
-    print(json.dumps(result) if args.json else text)
+    print(json.dumps(result.to_json()) if args.json else text)
     return 0
 
 

@@ -1,0 +1,663 @@
+"""`hsoffload plan`: will a run fit, before launch, from a model's config.json alone.
+
+Two questions, per rank:
+
+- the device: its peak allocated bytes during one training step (forward, backward with recompute, optimizer step),
+  from the model in `plan_memory` (every term a function there), with hsoffload under the chosen policy, with
+  checkpointing alone and without checkpointing; the verdict compares the first with `device_bytes`, and when it
+  does not fit, the plan names the dominant term and the knobs that would make it fit;
+- the host: what the offload policy moves, per node (`max_host_bytes=auto` is 80 % of the node's available RAM),
+  and what would spill to disk. Times are estimates: the copy at the given bandwidth, the layer's forward at the given
+  compute rate (2 FLOPs per parameter and token, plus causal attention).
+
+`max_seq` searches the longest sequence that fits the device for each combination of knobs that matters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from .. import options
+from ..options import AUTO_HOST_BUDGET_FRACTION, PolicyName
+from . import memory as pm
+from .memory import PlanError
+from .shapes import PLAN_FORMAT_VERSION, LongestRun, MaxSeqResult, MaxSeqRow, PlanInput, PlanResult  # noqa: F401
+
+logger = logging.getLogger("hsoffload")
+
+_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_GIB = float(1 << 30)
+PLAN_POLICIES = pm.OFFLOAD_POLICIES
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The dict of a config.json (or of a directory's); PlanError naming the file when it is not one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise PlanError(f"hsoffload plan: {path}: no config.json there; pass a config.json or a directory holding one")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"hsoffload plan: {p}: not a JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"hsoffload plan: {p}: a config.json holds one JSON object, got {type(data).__name__}")
+    return data
+
+
+# Model types whose configs the planner's formulas follow (checked against meta-device models in
+# tests/tooling/test_plan.py); other types are looked up in transformers' registry (importing transformers costs
+# seconds).
+_COMMON_MODEL_TYPES = frozenset({
+    "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmo2", "phi3", "granite",
+    "gemma3_text",
+})
+
+
+def _known_model_types() -> Optional[set[str]]:
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:  # transformers absent: the fields decide
+        return None
+    return set(CONFIG_MAPPING_NAMES)
+
+
+def model_shape(path: str) -> pm.ModelShape:
+    """The ModelShape of the config at `path`; PlanError for missing or unknown model types and non-LM configs."""
+    data = read_config(path)
+    model_type = data.get("model_type")
+    if not model_type:
+        raise PlanError(f"hsoffload plan: {path} has no model_type; it must be a transformers config.json")
+    known = None if model_type in _COMMON_MODEL_TYPES else _known_model_types()
+    if known is not None and model_type not in known:
+        raise PlanError(f"hsoffload plan: {path}: unknown model_type {model_type!r} (not one of the "
+                        f"{len(known)} this transformers knows)")
+    return pm.shape_from_config(data, source=str(path))
+
+
+def _mem_available() -> int:
+    """This machine's MemAvailable: what max_host_bytes=auto starts from."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_device_bytes() -> int:
+    """The local GPU's memory when there is one, else 80 GiB. torch (seconds to import) is asked only on a machine
+    with an NVIDIA driver: elsewhere the planner stays stdlib-only."""
+    if not Path("/proc/driver/nvidia").exists() and not any(Path("/dev").glob("nvidia[0-9]*")):
+        return 80 * (1 << 30)
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except Exception:  # noqa: BLE001  (no usable CUDA: the default stands)
+        logger.debug("hsoffload plan: no CUDA device; --device-gib defaults to 80")
+    return 80 * (1 << 30)
+
+
+def _transformers_dir() -> Optional[Path]:
+    """The transformers package the planner's process would import, found without importing it (seconds)."""
+    try:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
+
+
+def default_experts_implementation(text_model_type: str) -> str:
+    """What transformers runs for an MoE model's experts when nobody asks, decided as transformers decides it:
+    "grouped_mm" from 5.0 for model classes whose modeling file uses `@use_experts_implementation` (transformers'
+    own test), else "eager" (the expert loop; all of transformers 4.x). Without transformers: "grouped_mm"."""
+    package = _transformers_dir()
+    if package is None:
+        return "grouped_mm"
+    init = (package / "__init__.py").read_text(errors="replace") if (package / "__init__.py").is_file() else ""
+    version = re.search(r'^__version__\s*=\s*["\']([^"\']+)', init, re.M)
+    major = version.group(1).split(".", 1)[0] if version else ""
+    if major.isdigit() and int(major) < 5:
+        return "eager"
+    folder = text_model_type.removesuffix("_text")
+    modeling = package / "models" / folder / f"modeling_{folder}.py"
+    if modeling.is_file() and "@use_experts_implementation" not in modeling.read_text(errors="replace"):
+        return "eager"
+    return "grouped_mm"
+
+
+def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
+    """The validated Setup for `inp` (PlanError on what cannot work)."""
+    if inp.dtype not in _DTYPES:
+        raise PlanError(f"hsoffload plan: --dtype must be one of {', '.join(_DTYPES)}, got {inp.dtype!r}")
+    # The default policy: the table's with checkpointing; without it only "all" has something to offload.
+    policy = inp.policy or (options.default("policy") if inp.checkpointing else PolicyName.ALL).value
+    if policy not in PLAN_POLICIES:
+        raise PlanError(f"hsoffload plan: --policy must be one of {', '.join(PLAN_POLICIES)}, got {policy!r}")
+    setup = pm.Setup(
+        seq_len=inp.seq_len, micro_batch=inp.micro_batch, dtype_bytes=_DTYPES[inp.dtype], world_size=inp.world_size,
+        fsdp=inp.fsdp, sequence_parallel=inp.sequence_parallel, tiled_mlp=inp.tiled_mlp,
+        chunked_loss=inp.chunked_loss, attn=inp.attn, checkpointing=inp.checkpointing,
+        offload=policy,  # "all" with checkpointing offloads the checkpoint inputs (what remains saved)
+        keep_last_layers=min(inp.keep_last_layers, shape.layers) if inp.keep_last_layers >= 0 else inp.keep_last_layers,
+        prefetch_depth=inp.prefetch_depth, optimizer=inp.optimizer, selective_checkpointing=PolicyName(policy).offloads_sac_saves,
+        cpu_offload=inp.cpu_offload, fused_kernels=inp.fused_kernels,
+        sequence_parallel_kind=inp.sequence_parallel_kind, share_copies=inp.share_copies,
+        experts_implementation=(inp.experts_implementation
+                                or (default_experts_implementation(shape.text_model_type) if shape.moe_layers
+                                    else "grouped_mm")),
+    )
+    if setup.fused_kernels == "liger":  # Liger's fused linear cross-entropy is a chunked loss of Liger's size
+        setup = dataclasses.replace(setup, chunked_loss=True)
+    setup.check(shape)
+    return setup
+
+
+_SEQUENCE_PARALLEL_KINDS = {"ulysses": "Ulysses all-to-all", "ring": "ring key/value chunks"}
+_CPU_OFFLOAD = {"optimizer": "optimizer states on the host", "params": "model states on the host"}
+
+# The parts of a phase, as the text names them.
+_PART_NAMES = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer states",
+    "optimizer_update": "optimizer update temporaries",
+    "fsdp_gathered_layers": "FSDP-gathered layers",
+    "held_for_backward": "held for backward",
+    "attention_mask": "attention mask",
+    "layer_working_set": "one layer's forward/recompute + backward working set",
+    "final_norm": "final norm",
+    "logits": "logits",
+    "logits_float32": "logits in float32",
+    "log_probs": "loss log-probabilities (float32)",
+    "logits_gradients": "logits' gradients",
+    "chunked_loss": "chunked loss (one chunk, head gradient)",
+}
+_LOGIT_PARTS = ("logits", "logits_float32", "log_probs", "logits_gradients")
+
+
+def _peak_summary(shape: pm.ModelShape, setup: pm.Setup) -> tuple[pm.Phase, str, int]:
+    """The peak phase, its dominant term (logit parts summed as "logits") and that term's bytes."""
+    phase = pm.peak(shape, setup)
+    parts = dict(phase.parts)
+    logits = sum(parts.pop(k, 0) for k in _LOGIT_PARTS)
+    if logits:
+        parts["logits"] = logits
+    name = max(parts, key=lambda k: parts[k])
+    return phase, name, parts[name]
+
+
+def _fits(shape: pm.ModelShape, setup: pm.Setup, device_bytes: int) -> bool:
+    return pm.peak(shape, setup).total <= device_bytes
+
+
+def _degree_allowed(shape: pm.ModelShape, s: pm.Setup, d: int) -> bool:
+    """Whether sequence parallelism of degree `d` (of `s`'s kind) can run this model (Setup.check's rule)."""
+    try:
+        dataclasses.replace(s, sequence_parallel=d).check_sequence_parallel(shape)
+    except PlanError:
+        return False
+    return True
+
+
+def _parallel_degrees(shape: pm.ModelShape, s: pm.Setup) -> list[int]:
+    return [d for d in (2, 4, 8, 16, 32, 64) if d > s.sequence_parallel and d <= s.world_size
+            and s.seq_len % d == 0 and _degree_allowed(shape, s, d)]
+
+
+def _knob_changes(shape: pm.ModelShape, s: pm.Setup) -> list[tuple[str, dict[str, Any]]]:
+    """Single knob changes worth trying, cheapest first."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    if s.attn in ("eager", "math"):
+        out.append(("--attn sdpa", {"attn": "sdpa"}))
+    if not s.chunked_loss:
+        out.append(("a chunked loss (--chunked-loss)", {"chunked_loss": True}))
+    tiles = max(2, math.ceil(s.tokens / shape.hidden))
+    if s.tiled_mlp < tiles:
+        out.append((f"a tiled MLP (--tiled-mlp {tiles})", {"tiled_mlp": tiles}))
+    if not s.checkpointing:
+        out.append(("checkpointing with hsoffload", {"checkpointing": True, "offload": options.default("policy").value}))
+    for d in _parallel_degrees(shape, s):
+        out.append((f"sequence parallelism {d} (--sequence-parallel {d})", {"sequence_parallel": d}))
+    if s.world_size > 1 and not s.fsdp:
+        out.append(("FSDP sharding", {"fsdp": True}))
+    if s.cpu_offload == "none":
+        out.append(("optimizer states on the host (--cpu-offload optimizer)", {"cpu_offload": "optimizer"}))
+    if s.cpu_offload != "params":
+        out.append(("model states on the host (--cpu-offload params)", {"cpu_offload": "params"}))
+    return out
+
+
+def suggest(shape: pm.ModelShape, s: pm.Setup, device_bytes: int) -> list[str]:
+    """What would make `s` fit: single knob changes that do, else the first combination (greedy) that does."""
+    single = []
+    for label, change in _knob_changes(shape, s):
+        try:
+            candidate = dataclasses.replace(s, **change)
+            candidate.check(shape)
+        except PlanError:
+            continue
+        if _fits(shape, candidate, device_bytes):
+            single.append(label)
+    if single:
+        return single
+    combined, labels = s, []
+    for _ in range(6):  # greedy: take the change that lowers the peak most, until it fits
+        best: Optional[tuple[int, str, pm.Setup]] = None
+        for label, change in _knob_changes(shape, combined):
+            try:
+                candidate = dataclasses.replace(combined, **change)
+                candidate.check(shape)
+            except PlanError:
+                continue
+            total = pm.peak(shape, candidate).total
+            if best is None or total < best[0]:
+                best = (total, label, candidate)
+        if best is None or best[0] >= pm.peak(shape, combined).total:
+            break
+        combined = best[2]
+        labels.append(best[1])
+        if best[0] <= device_bytes:
+            return [" + ".join(labels)]
+    return []
+
+
+def plan(inp: PlanInput) -> PlanResult:
+    """Will `inp` fit: the device peak and its terms, the host side, the copies' time, the verdict and fixes."""
+    shape = model_shape(inp.config)
+    setup = setup_of(inp, shape)
+    device_bytes = inp.device_bytes if inp.device_bytes is not None else default_device_bytes()
+    b = setup.dtype_bytes
+    layers, hidden = shape.layers, shape.hidden
+    local = inp.local_world_size or min(inp.world_size, 8)
+    tokens = setup.tokens
+    moe_flags = [pm.is_moe_layer(shape, i) for i in range(layers)]
+    ckpt_setup = dataclasses.replace(setup, checkpointing=True, offload=None)
+    held = [pm.held_per_layer_bytes(shape, setup, m) for m in moe_flags]
+    layer_input = held[0] if setup.checkpointing else tokens * hidden * b
+    kept_layers = setup.keep_last_layers
+    offloaded_per_rank = offloaded_bytes_per_rank(shape, setup)
+    host_ram = inp.host_ram_bytes if inp.host_ram_bytes is not None else _mem_available()
+    host = host_side(host_ram, pm.model_states_host_bytes(shape, setup) * local, offloaded_per_rank * local)
+    model_states = pm.model_states_device_bytes(shape, setup)
+    device_held_ckpt = sum(pm.held_per_layer_bytes(shape, ckpt_setup, m) for m in moe_flags)
+    window = min(layers, kept_layers + 1 + setup.prefetch_depth)
+    device_held_offload = window * layer_input
+
+    phase, dominant, dominant_bytes = _peak_summary(shape, setup)
+    peak_ckpt = pm.peak(shape, ckpt_setup).total
+    peak_none = pm.peak(shape, dataclasses.replace(setup, checkpointing=False, offload=None)).total
+    transfer_s = layer_input / (inp.bandwidth_gbps * 1e9)
+    layer_params = shape.largest_layer_parameters()
+    attention_flops = 2 * inp.micro_batch * inp.seq_len * (inp.seq_len // setup.sequence_parallel) * hidden
+    forward_s = (2 * layer_params * tokens + attention_flops) / (inp.tflops * 1e12)
+    hides = transfer_s <= forward_s
+    fits = phase.total <= device_bytes
+    if not fits or not host.states_fit:
+        verdict = "does not fit"
+    elif host.spill > 0:
+        verdict = "fits with spill"
+    else:
+        verdict = "fits"
+    fixes = [] if fits else suggest(shape, setup, device_bytes)
+    if not fits:
+        why = advice(dominant, dominant_bytes, fixes)
+    elif not host.states_fit:
+        why = host_advice(host, setup)
+    else:
+        why = ""
+    terms = {
+        "weights": pm.weights_bytes(shape, setup),
+        "gradients": pm.gradients_bytes(shape, setup),
+        "optimizer_states": pm.optimizer_state_bytes(shape, setup),
+        "optimizer_update": pm.optimizer_step_bytes(shape, setup),
+        "fsdp_gathered_layers": pm.fsdp_gathered_bytes(shape, setup),
+        "held_for_backward_per_layer": held[0],
+        "layer_saved": pm.layer_saved_bytes(shape, setup, moe_flags[-1]),
+        "attention_saved": pm.attention_saved_bytes(shape, setup),
+        "mlp_saved": pm.mlp_saved_bytes(shape, setup, moe_flags[-1]),
+        "layer_backward": pm.layer_backward_bytes(shape, setup, moe_flags[-1]),
+        "attention_mask": pm.attention_mask_bytes(shape, setup),
+        "ulysses_buffers": pm.ulysses_buffer_bytes(shape, setup),
+        "ring_buffers": pm.ring_buffer_bytes(shape, setup),
+        "moe_routing": pm.moe_routing_bytes(shape, setup, moe_flags[-1]),
+        "logits": pm.logits_bytes(shape, setup),
+        "head_saved": pm.head_saved_bytes(shape, setup),
+        "head_forward": pm.head_forward_transient_bytes(shape, setup),
+        "head_backward": pm.head_backward_transient_bytes(shape, setup),
+        "embedding_output": pm.embedding_bytes(shape, setup),
+    }
+    return PlanResult(
+        model_type=shape.model_type,
+        layers=layers,
+        hidden_size=hidden,
+        parameters=shape.parameters(),
+        experts=shape.experts,
+        seq_len=inp.seq_len,
+        tokens_per_rank=tokens,
+        micro_batch=inp.micro_batch,
+        world_size=inp.world_size,
+        local_world_size=local,
+        dtype=inp.dtype,
+        policy=setup.offload,
+        checkpointing=setup.checkpointing,
+        attn=setup.attn,
+        sequence_parallel=setup.sequence_parallel,
+        sequence_parallel_kind=setup.sequence_parallel_kind,
+        cpu_offload=setup.cpu_offload,
+        fused_kernels=setup.fused_kernels,
+        experts_implementation=setup.experts_implementation if shape.moe_layers else None,
+        share_copies=setup.share_copies,
+        tiled_mlp=setup.tiled_mlp,
+        chunked_loss=setup.chunked_loss,
+        optimizer=setup.optimizer,
+        fsdp=setup.shards > 1,
+        keep_last_layers=kept_layers,
+        layer_input_bytes=layer_input,
+        offloaded_bytes_per_rank=offloaded_per_rank,
+        device_bytes_checkpointing=device_held_ckpt,  # held for backward, checkpointing alone
+        device_bytes_offload=device_held_offload,  # held for backward, with hsoffload
+        model_states_device_bytes=model_states,
+        model_states_host_bytes_per_node=host.model_states,
+        device_bytes=device_bytes,
+        device_peak_bytes=phase.total,
+        device_peak_bytes_checkpointing=peak_ckpt,
+        device_peak_bytes_no_checkpointing=peak_none,
+        peak_phase=phase.name,
+        peak_parts=phase.parts,
+        dominant_term=dominant,
+        dominant_term_bytes=dominant_bytes,
+        terms=terms,
+        host_ram_bytes=host_ram,
+        host_budget_bytes_per_node=host.budget,
+        host_bytes_per_node=host.offloaded_in_host,
+        spill_bytes_per_node=host.spill,
+        host_model_states_fit=host.states_fit,
+        transfer_s_per_layer=transfer_s,
+        forward_s_per_layer=forward_s,
+        copies_hide_behind_compute=hides,
+        verdict=verdict,
+        fixes=fixes,
+        advice=why,
+    
+    )
+
+
+# Pinned model states beyond this fraction of a node's RAM leave too little for the OS, data loaders, the processes.
+HOST_STATES_FRACTION = 0.8
+
+
+def offloaded_bytes_per_rank(shape: pm.ModelShape, s: pm.Setup) -> int:
+    """What the offload policy moves to the host per rank and step: what backward holds for every layer but the
+    last `keep_last_layers`."""
+    held = [pm.held_per_layer_bytes(shape, s, pm.is_moe_layer(shape, i)) for i in range(shape.layers)]
+    return sum(held[: shape.layers - s.keep_last_layers])
+
+
+def host_limit(shape: pm.ModelShape, s: pm.Setup, host_ram: int, local: int, unit: int) -> int:
+    """The longest multiple of `unit` tokens whose offloaded bytes fit the node's host budget without spilling, the
+    pinned model states counted first (0 if they alone do not fit). What is offloaded grows linearly in the
+    sequence, so one evaluation at `unit` tokens gives the slope."""
+    states = pm.model_states_host_bytes(shape, s) * local
+    at_unit = dataclasses.replace(s, seq_len=unit)
+    host = host_side(host_ram, states, offloaded_bytes_per_rank(shape, at_unit) * local)
+    if not host.states_fit:
+        return 0
+    per_unit = offloaded_bytes_per_rank(shape, at_unit) * local
+    return host.budget // per_unit * unit if per_unit else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSide:
+    """One node's host memory: RAM, the pinned model states, hsoffload's budget and where the offloaded bytes go."""
+
+    ram: int
+    model_states: int  # pinned model states of the node's ranks (cpu_offload)
+    budget: int  # hsoffload's max_host_bytes=auto for the node: 80 % of what the model states leave
+    offloaded_in_host: int
+    spill: int
+
+    @property
+    def states_fit(self) -> bool:
+        """The model states stay within HOST_STATES_FRACTION of the node's RAM."""
+        return self.model_states <= HOST_STATES_FRACTION * self.ram
+
+
+def host_side(host_ram: int, model_states_node: int, offloaded_node: int) -> HostSide:
+    """The node's host side: the model states are pinned first (before the first step), so max_host_bytes=auto, read
+    from MemAvailable when the scope starts, is 80 % of what they leave; what the offload needs beyond it spills."""
+    budget = int(max(0, host_ram - model_states_node) * AUTO_HOST_BUDGET_FRACTION)
+    in_host = min(offloaded_node, budget)
+    return HostSide(ram=host_ram, model_states=model_states_node, budget=budget, offloaded_in_host=in_host,
+                    spill=offloaded_node - in_host)
+
+
+def host_advice(host: HostSide, s: pm.Setup) -> str:
+    """One sentence: the model states on the host do not fit the node's RAM, and what would."""
+    need = (f"the model states on the host need {host.model_states / _GIB:,.1f} GiB per node, more than "
+            f"{HOST_STATES_FRACTION:.0%} of its {host.ram / _GIB:,.1f} GiB of RAM")
+    lighter = " or --cpu-offload optimizer (weights stay on the device)" if s.cpu_offload == "params" else ""
+    return f"{need}: more nodes (fewer ranks per node), a lighter optimizer{lighter}"
+
+
+def advice(dominant: str, nbytes: int, fixes: list[str]) -> str:
+    """One sentence: the dominant term and what would make the run fit."""
+    if dominant == "logits":  # the logits' parts summed: the float32 loss over them included
+        need = f"the logits and their float32 loss need {nbytes / _GIB:,.1f} GiB"
+    else:
+        what = _PART_NAMES.get(dominant, dominant.replace("_", " "))
+        need = f"the {what} need{'s' if not what.endswith('s') else ''} {nbytes / _GIB:,.1f} GiB"
+    if fixes:
+        return f"{need}: {' or '.join(fixes)} would make it fit"
+    return f"{need}; no combination of the planner's knobs fits this device: more ranks, shorter sequences"
+
+
+def format_plan(p: PlanResult) -> str:
+    g = lambda n: f"{n / _GIB:,.2f} GiB"  # noqa: E731
+    ms = lambda s: f"{s * 1e3:,.2f} ms"  # noqa: E731
+    knobs = [f"attn {p.attn}"]
+    if p.sequence_parallel > 1:
+        kind = _SEQUENCE_PARALLEL_KINDS[p.sequence_parallel_kind]
+        knobs.append(f"sequence parallel {p.sequence_parallel} ({kind})")
+    if p.fused_kernels != "none":
+        knobs.append(f"{p.fused_kernels} kernels")
+    if p.experts_implementation:
+        knobs.append(f"experts {p.experts_implementation}")
+    if p.tiled_mlp > 1:
+        knobs.append(f"tiled MLP {p.tiled_mlp}")
+    if p.chunked_loss:
+        knobs.append("chunked loss")
+    knobs.append("FSDP" if p.fsdp else "unsharded")
+    knobs.append(p.optimizer)
+    if p.cpu_offload != "none":
+        knobs.append(_CPU_OFFLOAD[p.cpu_offload])
+    policy = f"policy {p.policy}" if p.checkpointing else f"no checkpointing, policy {p.policy}"
+    rows: list[tuple[str, Optional[str]]] = [
+        (f"per rank, device peak ({p.peak_phase}):", None),
+    ]
+    rows += [(_PART_NAMES.get(k, k), g(v)) for k, v in p.peak_parts.items()]
+    rows += [
+        ("peak with hsoffload", f"{g(p.device_peak_bytes)} of {g(p.device_bytes)}"),
+        ("peak, checkpointing only", g(p.device_peak_bytes_checkpointing)),
+        ("peak, no checkpointing", g(p.device_peak_bytes_no_checkpointing)),
+        ("per rank, terms:", None),
+        ("model states on the device", g(p.model_states_device_bytes)),
+        ("held for backward, checkpointing only", g(p.device_bytes_checkpointing)),
+        ("held for backward, with hsoffload", g(p.device_bytes_offload)),
+        ("one layer's saved tensors (recompute)", g(p.terms['layer_saved'])),
+        ("  of which attention", g(p.terms['attention_saved'])),
+        ("  of which MLP", g(p.terms['mlp_saved'])),
+        ("one layer's backward, at its peak", g(p.terms['layer_backward'])),
+        ("logits (in the dtype)", g(p.terms['logits'])),
+        ("head: saved / forward / backward in flight",
+         f"{g(p.terms['head_saved'])} / {g(p.terms['head_forward'])} / {g(p.terms['head_backward'])}"),
+        ("per node, in host memory:", None),
+        ("model states, all ranks (pinned)", g(p.model_states_host_bytes_per_node)),
+        ("offloaded, all ranks", g(p.offloaded_bytes_per_rank * p.local_world_size)),
+        (f"host budget (80 % of {g(p.host_ram_bytes)} - model states)", g(p.host_budget_bytes_per_node)),
+        ("in host memory", g(p.host_bytes_per_node)),
+        ("to spill_dir", g(p.spill_bytes_per_node)),
+        ("per layer:", None),
+        (f"copy of what it holds for backward ({g(p.layer_input_bytes)})", ms(p.transfer_s_per_layer)),
+        ("forward compute (estimate)", ms(p.forward_s_per_layer)),
+    ]
+    width = max(len(label) for label, value in rows if value is not None) + 4
+    lines = [
+        f"hsoffload plan: {p.model_type}, {p.layers} layers, hidden {p.hidden_size}, "
+        f"{p.parameters / 1e9:.2f} B parameters"
+        + (f" ({p.experts} experts)" if p.experts else "")
+        + f"; {p.micro_batch} x {p.seq_len:,} tokens ({p.tokens_per_rank:,} per rank), "
+        f"{p.dtype}, {p.world_size} ranks ({p.local_world_size} per node); {policy}"
+        + (f", keep_last_layers {p.keep_last_layers}" if p.keep_last_layers else "")
+        + f"; {', '.join(knobs)}"
+    ]
+    lines += [label if value is None else f"  {label:<{width}}{value}" for label, value in rows]
+    hide = (
+        "the copies hide behind compute"
+        if p.copies_hide_behind_compute
+        else f"the copies take {p.transfer_s_per_layer / p.forward_s_per_layer:.1f}x the compute: expect waits"
+    )
+    if p.verdict == "does not fit":
+        lines.append(f"verdict: does not fit; {p.advice}")
+    else:
+        extra = " (set spill_dir)" if p.verdict == "fits with spill" else ""
+        lines.append(f"verdict: {p.verdict}{extra}; {hide}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --max-seq
+
+
+def _longest(shape: pm.ModelShape, s: pm.Setup, device_bytes: int, step: int, auto_tiles: bool,
+             limit: int = 1 << 26) -> int:
+    """The longest multiple of `step` (<= limit) whose peak fits, 0 if none: doubling, then bisection (the peak
+    grows with the length; where it steps, as the chunked loss's chunk doubling at powers of two, the length found
+    fits but a slightly longer one past the step might too). `auto_tiles`: the MLP tiled in hidden-size chunks at
+    each length (ALST's choice)."""
+
+    def ok(k: int) -> bool:
+        seq = k * step
+        try:
+            candidate = dataclasses.replace(s, seq_len=seq,
+                                            tiled_mlp=_auto_tiles(shape, s, seq) if auto_tiles else s.tiled_mlp)
+            candidate.check(shape)
+        except PlanError:
+            return False
+        return pm.peak(shape, candidate).total <= device_bytes
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi * step <= limit and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit // step + 1)
+    while hi - lo > 1:  # ok(lo), not ok(hi)
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
+def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
+    """The longest sequence (a multiple of `step`, and of the parallel degree) that fits the device, for checkpointing
+    alone and hsoffload, with each knob combination that matters."""
+    shape = model_shape(inp.config)
+    base = setup_of(dataclasses.replace(inp, seq_len=math.lcm(step, inp.sequence_parallel)), shape)
+    device_bytes = inp.device_bytes if inp.device_bytes is not None else default_device_bytes()
+    sp = max([1] + [d for d in (2, 4, 8, 16, 32, 64) if d <= inp.world_size and _degree_allowed(shape, base, d)])
+    tiles = 0  # hidden-size chunks at each length (ALST's choice)
+    combos: list[tuple[str, dict[str, Any]]] = [("as given", {})]
+    combos.append(("+ chunked loss", {"chunked_loss": True}))
+    combos.append(("+ chunked loss + tiled MLP", {"chunked_loss": True, "tiled_mlp": tiles}))
+    last_label, last = combos[-1]
+    if sp > 1:
+        last_label, last = (f"+ chunked loss + tiled MLP + sequence parallel {sp}",
+                            {"chunked_loss": True, "tiled_mlp": tiles, "sequence_parallel": sp})
+        combos.append((last_label, last))
+    if base.cpu_offload != "params":
+        combos.append((f"{last_label} + model states on host", {**last, "cpu_offload": "params"}))
+    local = inp.local_world_size or min(inp.world_size, 8)
+    rows = []
+    for label, change in combos:
+        row: dict[str, Any] = {"knobs": label}
+        for column, over in (("checkpointing", {"checkpointing": True, "offload": None}),
+                             ("hsoffload", {"checkpointing": True, "offload": base.offload if base.checkpointing
+                                            else options.default("policy").value})):
+            s = dataclasses.replace(base, **{**change, **over})
+            unit = math.lcm(step, s.sequence_parallel)
+            longest = _longest(shape, s, device_bytes, unit, auto_tiles=change.get("tiled_mlp") == 0)
+            row[column] = LongestRun(seq_len=longest)
+            if column == "hsoffload" and inp.host_ram_bytes is not None:
+                row["hsoffload_host_limit"] = host_limit(shape, s, inp.host_ram_bytes, local, unit)
+            if longest:
+                at = dataclasses.replace(s, seq_len=longest, tiled_mlp=_auto_tiles(shape, s, longest)
+                                         if change.get("tiled_mlp") == 0 else s.tiled_mlp)
+                phase, dominant, _ = _peak_summary(shape, at)
+                row[column] = LongestRun(seq_len=longest, peak_bytes=phase.total, dominant_term=dominant)
+        rows.append(MaxSeqRow(**row))
+    on_host = dataclasses.replace(base, cpu_offload="params")
+    return MaxSeqResult(
+        model_type=shape.model_type, device_bytes=device_bytes, world_size=inp.world_size,
+        model_states_device_bytes=pm.model_states_device_bytes(shape, base),
+        model_states_host_bytes_per_node=pm.model_states_host_bytes(shape, on_host) * local,
+        cpu_offload=base.cpu_offload, fused_kernels=base.fused_kernels,
+        experts_implementation=base.experts_implementation if shape.moe_layers else None,
+        sequence_parallel_kind=base.sequence_parallel_kind,
+        micro_batch=inp.micro_batch, dtype=inp.dtype, attn=base.attn, policy=base.offload,
+        host_ram_bytes=inp.host_ram_bytes, step=step, rows=rows,
+    )
+
+
+def _auto_tiles(shape: pm.ModelShape, s: pm.Setup, seq: int) -> int:
+    tokens = s.micro_batch * seq // s.sequence_parallel
+    return max(1, math.ceil(tokens / shape.hidden))
+
+
+def format_max_seq(r: MaxSeqResult) -> str:
+    def cell(row: MaxSeqRow, col: str) -> str:
+        run: LongestRun = getattr(row, col)
+        if not run.seq_len:
+            return "none fits"
+        return f"{run.seq_len:,} ({run.peak_bytes / _GIB:,.1f} GiB, {run.dominant_term})"
+
+    given = "".join([f", experts {r.experts_implementation}" if r.experts_implementation else "",
+                     f", {r.fused_kernels} kernels" if r.fused_kernels != "none" else "",
+                     f", {_CPU_OFFLOAD[r.cpu_offload]}" if r.cpu_offload != "none" else "",
+                     f", sequence parallelism {_SEQUENCE_PARALLEL_KINDS[r.sequence_parallel_kind]}"
+                     if r.world_size > 1 else ""])
+    header = (f"hsoffload plan --max-seq: {r.model_type}, {r.dtype}, micro-batch {r.micro_batch}, "
+              f"{r.world_size} ranks, {r.device_bytes / _GIB:,.1f} GiB per device, attn {r.attn}{given}; longest "
+              f"sequence that fits (multiples of {r.step:,}), with the peak and its dominant term")
+    width = max(len(row.knobs) for row in r.rows) + 2
+    col = max([len("checkpointing only")] + [len(cell(row, c)) for row in r.rows
+                                            for c in ("checkpointing", "hsoffload")]) + 2
+    with_host = r.host_ram_bytes is not None
+    hs_title = f"hsoffload ({r.policy})"
+    lines = [header, f"  {'knobs':<{width}}{'checkpointing only':<{col}}{hs_title:<{col if with_host else 0}}"
+                     + (f"host RAM, no spill ({r.host_ram_bytes / _GIB:,.0f} GiB per node)" if with_host else "")]
+    for row in r.rows:
+        host = f"{row.hsoffload_host_limit:,}" if with_host and row.hsoffload_host_limit else "none fits"
+        lines.append(f"  {row.knobs:<{width}}{cell(row, 'checkpointing'):<{col}}"
+                     + (f"{cell(row, 'hsoffload'):<{col}}{host}" if with_host else cell(row, "hsoffload")))
+    if not any(row.hsoffload.seq_len for row in r.rows):
+        lines.append(f"  the model states alone (weights, gradients, optimizer states: "
+                     f"{r.model_states_device_bytes / _GIB:,.1f} GiB per rank) leave no room: shard them over more "
+                     "ranks (--world-size), pick a lighter optimizer, or move them to the host (--cpu-offload)")
+    elif any(row.knobs.endswith("model states on host") for row in r.rows):
+        lines.append(f"  model states on host: weights, gradients and optimizer states in pinned host memory "
+                     f"(--cpu-offload params: {r.model_states_host_bytes_per_node / _GIB:,.1f} GiB per node, "
+                     "beside what hsoffload offloads; check the host side with --seq-len N)")
+    return "\n".join(lines)

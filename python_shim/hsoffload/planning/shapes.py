@@ -1,0 +1,196 @@
+"""One shape per plan: the typed input of `hsoffload plan` (from CLI flags, a Python call or a JSON/YAML file alike)
+and its typed results, whose JSON is the dataclass's own, with a format version.
+
+Stdlib only (YAML needs PyYAML, imported when a .yaml file is read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from .memory import PlanError
+
+# The version of the results' JSON: raised when a key is renamed or removed (adding one keeps it).
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanInput:
+    """Everything a plan depends on besides the model's config.json. Field names are the CLI flags' (`--seq-len` is
+    seq_len) but for the byte sizes (the CLI takes GiB) and the negated switches (`--no-fsdp` is fsdp=False)."""
+
+    config: str
+    seq_len: int
+    micro_batch: int = 1
+    world_size: int = 1
+    local_world_size: Optional[int] = None  # default: min(world_size, 8)
+    dtype: str = "bfloat16"
+    bandwidth_gbps: float = 25.0  # host <-> device, GB/s per rank
+    tflops: float = 400.0  # sustained compute per rank, TFLOP/s
+    host_ram_bytes: Optional[int] = None  # available RAM of one node; default: this machine's MemAvailable
+    device_bytes: Optional[int] = None  # default: this machine's GPU memory when it has one, else 80 GiB
+    prefetch_depth: int = 1  # OffloadConfig.prefetch_depth (the table's default; tests/tooling/test_options.py)
+    policy: Optional[str] = None  # hidden_states (default with checkpointing), sac, or all (default without)
+    keep_last_layers: int = 0
+    optimizer: str = "adamw"
+    sequence_parallel: int = 1
+    tiled_mlp: int = 1
+    chunked_loss: bool = False
+    attn: str = "sdpa"
+    checkpointing: bool = True
+    fsdp: bool = True
+    cpu_offload: str = "none"  # none, optimizer (optimizer states + float32 masters on the host) or params (all)
+    fused_kernels: str = "none"  # none or liger (RMSNorm, SwiGLU, fused linear cross-entropy)
+    sequence_parallel_kind: str = "ulysses"  # ulysses (all-to-all of heads) or ring (key/value chunks)
+    experts_implementation: Optional[str] = None  # MoE: grouped_mm or eager; None: what the installed transformers picks
+    share_copies: bool = False  # OffloadConfig.share_copies (policy all: one copy for a tensor several ops save)
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any], where: str = "the plan input") -> "PlanInput":
+        """A PlanInput from a dict of its fields; PlanError naming an unknown key (and the closest field)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(names)}"
+                raise PlanError(f"hsoffload plan: {where}: unknown key {key!r}{hint}")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise PlanError(f"hsoffload plan: {where}: missing {', '.join(missing)}")
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str) -> "PlanInput":
+        """A PlanInput from a JSON or YAML file of its fields (`config` relative to the file's folder)."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise PlanError(f"hsoffload plan: {path}: cannot read it ({exc.strerror})") from None
+        if p.suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise PlanError(f"hsoffload plan: {path}: reading YAML needs PyYAML (pip install pyyaml), or write "
+                                "the same keys as JSON") from None
+            data = yaml.safe_load(text)
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise PlanError(f"hsoffload plan: {path}: not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"hsoffload plan: {path}: a plan input is one mapping of PlanInput's fields")
+        if isinstance(data.get("config"), str) and not Path(data["config"]).is_absolute():
+            data = {**data, "config": str(p.parent / data["config"])}
+        return cls.from_mapping(data, where=str(path))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format_version": PLAN_FORMAT_VERSION, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanResult:
+    """What `hsoffload plan` answers for one sequence length (per rank unless the name says per node)."""
+
+    model_type: str
+    layers: int
+    hidden_size: int
+    parameters: int
+    experts: int
+    seq_len: int
+    tokens_per_rank: int
+    micro_batch: int
+    world_size: int
+    local_world_size: int
+    dtype: str
+    policy: Optional[str]
+    checkpointing: bool
+    attn: str
+    sequence_parallel: int
+    sequence_parallel_kind: str
+    cpu_offload: str
+    fused_kernels: str
+    experts_implementation: Optional[str]
+    share_copies: bool
+    tiled_mlp: int
+    chunked_loss: bool
+    optimizer: str
+    fsdp: bool
+    keep_last_layers: int
+    layer_input_bytes: int
+    offloaded_bytes_per_rank: int
+    device_bytes_checkpointing: int  # held for backward, checkpointing alone
+    device_bytes_offload: int  # held for backward, with hsoffload
+    model_states_device_bytes: int
+    model_states_host_bytes_per_node: int
+    device_bytes: int
+    device_peak_bytes: int
+    device_peak_bytes_checkpointing: int
+    device_peak_bytes_no_checkpointing: int
+    peak_phase: str
+    peak_parts: dict[str, int]
+    dominant_term: str
+    dominant_term_bytes: int
+    terms: dict[str, int]  # one entry per term of hsoffload.planning.memory (each a function there)
+    host_ram_bytes: int
+    host_budget_bytes_per_node: int
+    host_bytes_per_node: int
+    spill_bytes_per_node: int
+    host_model_states_fit: bool
+    transfer_s_per_layer: float
+    forward_s_per_layer: float
+    copies_hide_behind_compute: bool
+    verdict: str  # "fits", "fits with spill" or "does not fit"
+    fixes: list[str]
+    advice: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format_version": PLAN_FORMAT_VERSION, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LongestRun:
+    """The longest sequence one way of running fits (0: none), with its peak and the peak's dominant term."""
+
+    seq_len: int
+    peak_bytes: Optional[int] = None
+    dominant_term: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxSeqRow:
+    knobs: str  # the knob combination, as the table names it
+    checkpointing: LongestRun  # checkpointing alone
+    hsoffload: LongestRun  # checkpointing with hsoffload
+    hsoffload_host_limit: Optional[int] = None  # with a host RAM: the longest the host holds without spill
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxSeqResult:
+    """What `hsoffload plan --max-seq` answers: the longest sequence per knob combination."""
+
+    model_type: str
+    device_bytes: int
+    world_size: int
+    model_states_device_bytes: int
+    model_states_host_bytes_per_node: int
+    cpu_offload: str
+    fused_kernels: str
+    experts_implementation: Optional[str]
+    sequence_parallel_kind: str
+    micro_batch: int
+    dtype: str
+    attn: str
+    policy: Optional[str]
+    host_ram_bytes: Optional[int]
+    step: int
+    rows: list[MaxSeqRow]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format_version": PLAN_FORMAT_VERSION, **dataclasses.asdict(self)}
