@@ -107,6 +107,26 @@ def report_missing_hidden_states(layer: torch.nn.Module) -> None:
     )
 
 
+# The kernels' index wall on a decoder layer's input (hsoffload.planning.walls has the whole table, with sources):
+# a hidden_states of 2^31 elements or more is past what Liger's Triton RMSNorm and FlashAttention-2 index.
+INDEX_WALL_ELEMENTS = 1 << 31
+
+
+def report_index_wall(layer: torch.nn.Module, x: torch.Tensor) -> None:
+    """Warns once when a layer's hidden_states is past the 32-bit index wall (a size check: no cost on the hot path
+    beyond reading numel)."""
+    if x.numel() < INDEX_WALL_ELEMENTS:
+        return
+    log_once(
+        "index_wall",
+        logging.WARNING,
+        "hsoffload: %s's hidden_states has %s elements: tokens x hidden per rank passes 2^31 elements, the wall of "
+        "kernels that index in 32 bits (Liger's Triton RMSNorm, FlashAttention-2): they fault ('an illegal memory "
+        "access'); more sequence parallelism, or kernels with 64-bit offsets (`hsoffload plan` names the walls)",
+        type(layer).__name__, f"{x.numel():,}",
+    )
+
+
 def report_reentrant_without_grad(layer: torch.nn.Module, args: tuple) -> None:
     if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or not uses_reentrant(layer):
         return

@@ -68,7 +68,12 @@ def _pass_hidden_states_first(layer: torch.nn.Module, args: tuple, kwargs: dict,
     A keyword `hidden_states` is moved to the front of the positional arguments (only when the
     layer's forward takes it first), since the checkpoint never saves keyword arguments.
     """
-    marker = torch.ops.hsoffload.mark_hidden_state if mark else (lambda t: t)
+    def marker(x: torch.Tensor) -> torch.Tensor:
+        if not mark:
+            return x
+        diagnostics.report_index_wall(layer, x)
+        return torch.ops.hsoffload.mark_hidden_state(x)
+
     if args and isinstance(args[0], torch.Tensor):
         return (marker(args[0]),) + args[1:]
     if not args and isinstance(kwargs.get("hidden_states"), torch.Tensor) and first_param_is_hidden_states(

@@ -266,6 +266,9 @@ class Setup:
     sequence_parallel_kind: str = "ulysses"  # one of SEQUENCE_PARALLEL_KINDS
     experts_implementation: str = "grouped_mm"  # one of EXPERTS_IMPLEMENTATIONS (MoE models only)
     share_copies: bool = False  # hsoffload's share_copies: saves of one tensor by several ops share one host copy
+    # The batches carry an attention mask (padding, packed documents): SDPA then runs its memory-efficient kernel with
+    # the mask instead of the causal path (its wall: hsoffload.planning.walls). Its bytes are not modelled.
+    attention_mask: bool = False
 
     @property
     def liger(self) -> bool:

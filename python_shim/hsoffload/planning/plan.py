@@ -28,6 +28,7 @@ from typing import Any, Optional
 from .. import options
 from ..options import AUTO_HOST_BUDGET_FRACTION, PolicyName
 from . import memory as pm
+from . import walls
 from .memory import PlanError
 from .shapes import PLAN_FORMAT_VERSION, LongestRun, MaxSeqResult, MaxSeqRow, PlanInput, PlanResult  # noqa: F401
 
@@ -153,6 +154,7 @@ def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
         prefetch_depth=inp.prefetch_depth, optimizer=inp.optimizer, selective_checkpointing=PolicyName(policy).offloads_sac_saves,
         cpu_offload=inp.cpu_offload, fused_kernels=inp.fused_kernels,
         sequence_parallel_kind=inp.sequence_parallel_kind, share_copies=inp.share_copies,
+        attention_mask=inp.attention_mask,
         experts_implementation=(inp.experts_implementation
                                 or (default_experts_implementation(shape.text_model_type) if shape.moe_layers
                                     else "grouped_mm")),
@@ -303,7 +305,13 @@ def plan(inp: PlanInput) -> PlanResult:
     forward_s = (2 * layer_params * tokens + attention_flops) / (inp.tflops * 1e12)
     hides = transfer_s <= forward_s
     fits = phase.total <= device_bytes
-    if not fits or not host.states_fit:
+    torch_version = inp.torch_version or walls.installed_torch_version()
+    hit = walls.met(shape, setup, torch_version)
+    if any(h.consequence == walls.SILENT for h in hit):
+        verdict = walls.SILENT
+    elif hit:
+        verdict = walls.CRASH
+    elif not fits or not host.states_fit:
         verdict = "does not fit"
     elif host.spill > 0:
         verdict = "fits with spill"
@@ -316,6 +324,8 @@ def plan(inp: PlanInput) -> PlanResult:
         why = host_advice(host, setup)
     else:
         why = ""
+    if hit:  # a wall outranks memory: the run dies (or computes garbage) whatever the bytes
+        why = "; ".join(h.sentence() for h in hit) + (f"; also {why}" if why else "")
     terms = {
         "weights": pm.weights_bytes(shape, setup),
         "gradients": pm.gradients_bytes(shape, setup),
@@ -389,7 +399,8 @@ def plan(inp: PlanInput) -> PlanResult:
         verdict=verdict,
         fixes=fixes,
         advice=why,
-    
+        torch_version=torch_version,
+        walls=hit,
     )
 
 
@@ -527,7 +538,13 @@ def format_plan(p: PlanResult) -> str:
         if p.copies_hide_behind_compute
         else f"the copies take {p.transfer_s_per_layer / p.forward_s_per_layer:.1f}x the compute: expect waits"
     )
-    if p.verdict == "does not fit":
+    for h in p.walls:
+        lines.append(f"  wall: {h.sentence()} (source: {h.source})")
+    if p.walls:  # the sentences are the wall lines above; what memory says comes after them in the advice
+        also = p.advice.split("; also ", 1)[1] if "; also " in p.advice else ""
+        label = p.verdict.upper() if p.verdict == walls.SILENT else p.verdict
+        lines.append(f"verdict: {label}: the wall{'s' if len(p.walls) > 1 else ''} above" + (f"; also {also}" if also else ""))
+    elif p.verdict == "does not fit":
         lines.append(f"verdict: does not fit; {p.advice}")
     else:
         extra = " (set spill_dir)" if p.verdict == "fits with spill" else ""
@@ -590,6 +607,7 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
     if base.cpu_offload != "params":
         combos.append((f"{last_label} + model states on host", {**last, "cpu_offload": "params"}))
     local = inp.local_world_size or min(inp.world_size, 8)
+    torch_version = inp.torch_version or walls.installed_torch_version()
     rows = []
     for label, change in combos:
         row: dict[str, Any] = {"knobs": label}
@@ -599,14 +617,21 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
             s = dataclasses.replace(base, **{**change, **over})
             unit = math.lcm(step, s.sequence_parallel)
             longest = _longest(shape, s, device_bytes, unit, auto_tiles=change.get("tiled_mlp") == 0)
-            row[column] = LongestRun(seq_len=longest)
+            # A kernel's wall below the memory limit stops the search there: past it the run does not run.
+            wall = walls.first_below(shape, dataclasses.replace(s, seq_len=unit), torch_version)
+            if wall is not None and longest >= wall.first_seq_len:
+                longest = _longest(shape, s, device_bytes, unit, auto_tiles=change.get("tiled_mlp") == 0,
+                                   limit=wall.first_seq_len - 1)
+            else:
+                wall = None
+            row[column] = LongestRun(seq_len=longest, wall=wall)
             if column == "hsoffload" and inp.host_ram_bytes is not None:
                 row["hsoffload_host_limit"] = host_limit(shape, s, inp.host_ram_bytes, local, unit)
             if longest:
                 at = dataclasses.replace(s, seq_len=longest, tiled_mlp=_auto_tiles(shape, s, longest)
                                          if change.get("tiled_mlp") == 0 else s.tiled_mlp)
                 phase, dominant, _ = _peak_summary(shape, at)
-                row[column] = LongestRun(seq_len=longest, peak_bytes=phase.total, dominant_term=dominant)
+                row[column] = LongestRun(seq_len=longest, peak_bytes=phase.total, dominant_term=dominant, wall=wall)
         rows.append(MaxSeqRow(**row))
     on_host = dataclasses.replace(base, cpu_offload="params")
     return MaxSeqResult(
@@ -617,7 +642,7 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
         experts_implementation=base.experts_implementation if shape.moe_layers else None,
         sequence_parallel_kind=base.sequence_parallel_kind,
         micro_batch=inp.micro_batch, dtype=inp.dtype, attn=base.attn, policy=base.offload,
-        host_ram_bytes=inp.host_ram_bytes, step=step, rows=rows,
+        host_ram_bytes=inp.host_ram_bytes, step=step, rows=rows, torch_version=torch_version,
     )
 
 
@@ -631,7 +656,8 @@ def format_max_seq(r: MaxSeqResult) -> str:
         run: LongestRun = getattr(row, col)
         if not run.seq_len:
             return "none fits"
-        return f"{run.seq_len:,} ({run.peak_bytes / _GIB:,.1f} GiB, {run.dominant_term})"
+        stop = f"; wall: {run.wall.name}" if run.wall else ""
+        return f"{run.seq_len:,} ({run.peak_bytes / _GIB:,.1f} GiB, {run.dominant_term}{stop})"
 
     given = "".join([f", experts {r.experts_implementation}" if r.experts_implementation else "",
                      f", {r.fused_kernels} kernels" if r.fused_kernels != "none" else "",
@@ -652,6 +678,9 @@ def format_max_seq(r: MaxSeqResult) -> str:
         host = f"{row.hsoffload_host_limit:,}" if with_host and row.hsoffload_host_limit else "none fits"
         lines.append(f"  {row.knobs:<{width}}{cell(row, 'checkpointing'):<{col}}"
                      + (f"{cell(row, 'hsoffload'):<{col}}{host}" if with_host else cell(row, "hsoffload")))
+    stopped = {run.wall.name: run.wall for row in r.rows for run in (row.checkpointing, row.hsoffload) if run.wall}
+    for wall in stopped.values():
+        lines.append(f"  wall {wall.name}: {wall.sentence()} (source: {wall.source})")
     if not any(row.hsoffload.seq_len for row in r.rows):
         lines.append(f"  the model states alone (weights, gradients, optimizer states: "
                      f"{r.model_states_device_bytes / _GIB:,.1f} GiB per rank) leave no room: shard them over more "

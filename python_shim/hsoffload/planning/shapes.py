@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .memory import PlanError
+from .walls import WallHit
 
 # The version of the results' JSON: raised when a key is renamed or removed (adding one keeps it).
 PLAN_FORMAT_VERSION = 1
@@ -48,6 +49,8 @@ class PlanInput:
     sequence_parallel_kind: str = "ulysses"  # ulysses (all-to-all of heads) or ring (key/value chunks)
     experts_implementation: Optional[str] = None  # MoE: grouped_mm or eager; None: what the installed transformers picks
     share_copies: bool = False  # OffloadConfig.share_copies (policy all: one copy for a tensor several ops save)
+    attention_mask: bool = False  # batches carry a padding/packing mask (SDPA: the masked memory-efficient kernel)
+    torch_version: Optional[str] = None  # the torch the walls are read for; default: the installed one (metadata)
 
     @classmethod
     def from_mapping(cls, data: dict[str, Any], where: str = "the plan input") -> "PlanInput":
@@ -146,9 +149,11 @@ class PlanResult:
     transfer_s_per_layer: float
     forward_s_per_layer: float
     copies_hide_behind_compute: bool
-    verdict: str  # "fits", "fits with spill" or "does not fit"
+    verdict: str  # "fits", "fits with spill", "does not fit", "does not run" (a wall) or "silently wrong" (a wall)
     fixes: list[str]
     advice: str
+    torch_version: Optional[str]  # the torch the walls were read for (None: none installed nor given)
+    walls: list[WallHit]  # the kernels' walls this run meets (hsoffload.planning.walls), the silently wrong first
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": PLAN_FORMAT_VERSION, **dataclasses.asdict(self)}
@@ -161,6 +166,7 @@ class LongestRun:
     seq_len: int
     peak_bytes: Optional[int] = None
     dominant_term: Optional[str] = None
+    wall: Optional[WallHit] = None  # the wall that stopped it below the memory limit, if one did
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +197,7 @@ class MaxSeqResult:
     host_ram_bytes: Optional[int]
     step: int
     rows: list[MaxSeqRow]
+    torch_version: Optional[str]  # the torch the walls were read for
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": PLAN_FORMAT_VERSION, **dataclasses.asdict(self)}

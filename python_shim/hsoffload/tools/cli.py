@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(knob["share_copies"].plan_flag, action="store_true", default=knob["share_copies"].default, help="as OffloadConfig(share_copies=True): policy all copies a tensor several ops save once (default: a copy per save, each restoring its own bytes)")
     pl.add_argument("--no-checkpointing", dest="checkpointing", action="store_false", help="no gradient checkpointing (hsoffload then offloads with policy all)")
     pl.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="weights, gradients and optimizer states replicated on every rank (default: FSDP-sharded over --world-size)")
+    pl.add_argument("--attention-mask", action="store_true", help="the batches carry a padding or packing mask (SDPA then runs its memory-efficient kernel with the mask, silently wrong past 65,536 tokens); default: padding-free causal batches")
+    pl.add_argument("--torch", dest="torch_version", default=None, metavar="VERSION", help="the torch release the kernels' walls are read for (default: the installed one, from package metadata)")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
