@@ -28,7 +28,8 @@ from typing import Any, Optional
 from .. import options
 from ..options import AUTO_HOST_BUDGET_FRACTION, PolicyName
 from . import memory as pm
-from . import walls
+from . import overhead, walls
+from .overhead import Budget, Overhead
 from .memory import PlanError
 from .shapes import PLAN_FORMAT_VERSION, LongestRun, MaxSeqResult, MaxSeqRow, PlanInput, PlanResult  # noqa: F401
 
@@ -186,6 +187,15 @@ _PART_NAMES = {
     "chunked_loss": "chunked loss (one chunk, head gradient)",
 }
 _LOGIT_PARTS = ("logits", "logits_float32", "log_probs", "logits_gradients")
+_OVERHEAD_NAMES = {
+    "cuda_context": "CUDA context",
+    "cublas_workspaces": "cuBLAS workspaces",
+    "nccl_sharding": "NCCL communicator (FSDP/ZeRO gathers)",
+    "nccl_sequence_parallel": "NCCL communicator (sequence parallelism)",
+    "zero3_buckets": "ZeRO-3 reduce and prefetch buckets",
+    "overhead_given": "overhead (--overhead-gib)",
+    "fragmentation": "allocator fragmentation margin",
+}
 
 
 def _peak_summary(shape: pm.ModelShape, setup: pm.Setup) -> tuple[pm.Phase, str, int]:
@@ -199,8 +209,10 @@ def _peak_summary(shape: pm.ModelShape, setup: pm.Setup) -> tuple[pm.Phase, str,
     return phase, name, parts[name]
 
 
-def _fits(shape: pm.ModelShape, setup: pm.Setup, device_bytes: int) -> bool:
-    return pm.peak(shape, setup).total <= device_bytes
+def overhead_of(inp: PlanInput, shape: pm.ModelShape) -> Overhead:
+    """How the process's overhead is counted for `inp` (hsoffload.planning.overhead: each term's default sourced)."""
+    zero3 = overhead.zero3_bucket_elements(inp.deepspeed_config, shape.hidden) if inp.deepspeed_config else 0
+    return Overhead(fixed_bytes=inp.overhead_bytes, fragmentation=inp.fragmentation, zero3_bucket_elements=zero3)
 
 
 def _degree_allowed(shape: pm.ModelShape, s: pm.Setup, d: int) -> bool:
@@ -240,7 +252,7 @@ def _knob_changes(shape: pm.ModelShape, s: pm.Setup) -> list[tuple[str, dict[str
     return out
 
 
-def suggest(shape: pm.ModelShape, s: pm.Setup, device_bytes: int) -> list[str]:
+def suggest(shape: pm.ModelShape, s: pm.Setup, budget: Budget) -> list[str]:
     """What would make `s` fit: single knob changes that do, else the first combination (greedy) that does."""
     single = []
     for label, change in _knob_changes(shape, s):
@@ -249,7 +261,7 @@ def suggest(shape: pm.ModelShape, s: pm.Setup, device_bytes: int) -> list[str]:
             candidate.check(shape)
         except PlanError:
             continue
-        if _fits(shape, candidate, device_bytes):
+        if budget.fits(shape, candidate):
             single.append(label)
     if single:
         return single
@@ -269,7 +281,7 @@ def suggest(shape: pm.ModelShape, s: pm.Setup, device_bytes: int) -> list[str]:
             break
         combined = best[2]
         labels.append(best[1])
-        if best[0] <= device_bytes:
+        if budget.fits(shape, combined):
             return [" + ".join(labels)]
     return []
 
@@ -304,7 +316,10 @@ def plan(inp: PlanInput) -> PlanResult:
     attention_flops = 2 * inp.micro_batch * inp.seq_len * (inp.seq_len // setup.sequence_parallel) * hidden
     forward_s = (2 * layer_params * tokens + attention_flops) / (inp.tflops * 1e12)
     hides = transfer_s <= forward_s
-    fits = phase.total <= device_bytes
+    budget = Budget(device_bytes, overhead_of(inp, shape))
+    overhead_terms = budget.terms(shape, setup)
+    reserved = phase.total + sum(overhead_terms.values())
+    fits = reserved <= device_bytes
     torch_version = inp.torch_version or walls.installed_torch_version()
     hit = walls.met(shape, setup, torch_version)
     if any(h.consequence == walls.SILENT for h in hit):
@@ -317,7 +332,7 @@ def plan(inp: PlanInput) -> PlanResult:
         verdict = "fits with spill"
     else:
         verdict = "fits"
-    fixes = [] if fits else suggest(shape, setup, device_bytes)
+    fixes = [] if fits else suggest(shape, setup, budget)
     if not fits:
         why = advice(dominant, dominant_bytes, fixes)
     elif not host.states_fit:
@@ -381,7 +396,10 @@ def plan(inp: PlanInput) -> PlanResult:
         model_states_host_bytes_per_node=host.model_states,
         device_bytes=device_bytes,
         device_peak_bytes=phase.total,
+        device_reserved_bytes=reserved,
+        overhead=overhead_terms,
         device_peak_bytes_checkpointing=peak_ckpt,
+        device_reserved_bytes_checkpointing=budget.reserved(shape, ckpt_setup),
         device_peak_bytes_no_checkpointing=peak_none,
         peak_phase=phase.name,
         peak_parts=phase.parts,
@@ -497,10 +515,14 @@ def format_plan(p: PlanResult) -> str:
         (f"per rank, device peak ({p.peak_phase}):", None),
     ]
     rows += [(_PART_NAMES.get(k, k), g(v)) for k, v in p.peak_parts.items()]
+    rows += [("per rank, beyond the tensors (the process):", None)]
+    rows += [(_OVERHEAD_NAMES.get(k, k), g(v)) for k, v in p.overhead.items()]
     rows += [
-        ("peak with hsoffload", f"{g(p.device_peak_bytes)} of {g(p.device_bytes)}"),
-        ("peak, checkpointing only", g(p.device_peak_bytes_checkpointing)),
-        ("peak, no checkpointing", g(p.device_peak_bytes_no_checkpointing)),
+        ("reserved with hsoffload (nvidia-smi)", f"{g(p.device_reserved_bytes)} of {g(p.device_bytes)}"),
+        ("tensors' peak with hsoffload", g(p.device_peak_bytes)),
+        ("tensors' peak, checkpointing only", g(p.device_peak_bytes_checkpointing)),
+        ("reserved, checkpointing only", g(p.device_reserved_bytes_checkpointing)),
+        ("tensors' peak, no checkpointing", g(p.device_peak_bytes_no_checkpointing)),
         ("per rank, terms:", None),
         ("model states on the device", g(p.model_states_device_bytes)),
         ("held for backward, checkpointing only", g(p.device_bytes_checkpointing)),
@@ -556,7 +578,7 @@ def format_plan(p: PlanResult) -> str:
 # --max-seq
 
 
-def _longest(shape: pm.ModelShape, s: pm.Setup, device_bytes: int, step: int, auto_tiles: bool,
+def _longest(shape: pm.ModelShape, s: pm.Setup, budget: Budget, step: int, auto_tiles: bool,
              limit: int = 1 << 26) -> int:
     """The longest multiple of `step` (<= limit) whose peak fits, 0 if none: doubling, then bisection (the peak
     grows with the length; where it steps, as the chunked loss's chunk doubling at powers of two, the length found
@@ -571,7 +593,7 @@ def _longest(shape: pm.ModelShape, s: pm.Setup, device_bytes: int, step: int, au
             candidate.check(shape)
         except PlanError:
             return False
-        return pm.peak(shape, candidate).total <= device_bytes
+        return budget.fits(shape, candidate)
 
     if not ok(1):
         return 0
@@ -608,6 +630,7 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
         combos.append((f"{last_label} + model states on host", {**last, "cpu_offload": "params"}))
     local = inp.local_world_size or min(inp.world_size, 8)
     torch_version = inp.torch_version or walls.installed_torch_version()
+    budget = Budget(device_bytes, overhead_of(inp, shape))
     rows = []
     for label, change in combos:
         row: dict[str, Any] = {"knobs": label}
@@ -616,11 +639,11 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
                                             else options.default("policy").value})):
             s = dataclasses.replace(base, **{**change, **over})
             unit = math.lcm(step, s.sequence_parallel)
-            longest = _longest(shape, s, device_bytes, unit, auto_tiles=change.get("tiled_mlp") == 0)
+            longest = _longest(shape, s, budget, unit, auto_tiles=change.get("tiled_mlp") == 0)
             # A kernel's wall below the memory limit stops the search there: past it the run does not run.
             wall = walls.first_below(shape, dataclasses.replace(s, seq_len=unit), torch_version)
             if wall is not None and longest >= wall.first_seq_len:
-                longest = _longest(shape, s, device_bytes, unit, auto_tiles=change.get("tiled_mlp") == 0,
+                longest = _longest(shape, s, budget, unit, auto_tiles=change.get("tiled_mlp") == 0,
                                    limit=wall.first_seq_len - 1)
             else:
                 wall = None
@@ -631,7 +654,8 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
                 at = dataclasses.replace(s, seq_len=longest, tiled_mlp=_auto_tiles(shape, s, longest)
                                          if change.get("tiled_mlp") == 0 else s.tiled_mlp)
                 phase, dominant, _ = _peak_summary(shape, at)
-                row[column] = LongestRun(seq_len=longest, peak_bytes=phase.total, dominant_term=dominant, wall=wall)
+                row[column] = LongestRun(seq_len=longest, peak_bytes=phase.total, dominant_term=dominant, wall=wall,
+                                         reserved_bytes=budget.reserved(shape, at))
         rows.append(MaxSeqRow(**row))
     on_host = dataclasses.replace(base, cpu_offload="params")
     return MaxSeqResult(
@@ -657,7 +681,8 @@ def format_max_seq(r: MaxSeqResult) -> str:
         if not run.seq_len:
             return "none fits"
         stop = f"; wall: {run.wall.name}" if run.wall else ""
-        return f"{run.seq_len:,} ({run.peak_bytes / _GIB:,.1f} GiB, {run.dominant_term}{stop})"
+        return (f"{run.seq_len:,} ({run.reserved_bytes / _GIB:,.1f} GiB reserved, {run.peak_bytes / _GIB:,.1f} "
+                f"tensors, {run.dominant_term}{stop})")
 
     given = "".join([f", experts {r.experts_implementation}" if r.experts_implementation else "",
                      f", {r.fused_kernels} kernels" if r.fused_kernels != "none" else "",
@@ -666,7 +691,7 @@ def format_max_seq(r: MaxSeqResult) -> str:
                      if r.world_size > 1 else ""])
     header = (f"hsoffload plan --max-seq: {r.model_type}, {r.dtype}, micro-batch {r.micro_batch}, "
               f"{r.world_size} ranks, {r.device_bytes / _GIB:,.1f} GiB per device, attn {r.attn}{given}; longest "
-              f"sequence that fits (multiples of {r.step:,}), with the peak and its dominant term")
+              f"sequence that fits (multiples of {r.step:,}), with what the process reserves, the tensors' peak and its dominant term")
     width = max(len(row.knobs) for row in r.rows) + 2
     col = max([len("checkpointing only")] + [len(cell(row, c)) for row in r.rows
                                             for c in ("checkpointing", "hsoffload")]) + 2

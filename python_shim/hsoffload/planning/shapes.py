@@ -51,6 +51,11 @@ class PlanInput:
     share_copies: bool = False  # OffloadConfig.share_copies (policy all: one copy for a tensor several ops save)
     attention_mask: bool = False  # batches carry a padding/packing mask (SDPA: the masked memory-efficient kernel)
     torch_version: Optional[str] = None  # the torch the walls are read for; default: the installed one (metadata)
+    # What the process holds beyond its tensors (hsoffload.planning.overhead): None: the sourced defaults by the
+    # collectives in use; bytes: that sum instead of the fixed terms. The allocator's margin is a share of the peak.
+    overhead_bytes: Optional[int] = None
+    fragmentation: float = 0.05
+    deepspeed_config: Optional[str] = None  # a DeepSpeed JSON: ZeRO-3's reduce and prefetch buckets counted
 
     @classmethod
     def from_mapping(cls, data: dict[str, Any], where: str = "the plan input") -> "PlanInput":
@@ -133,8 +138,11 @@ class PlanResult:
     model_states_device_bytes: int
     model_states_host_bytes_per_node: int
     device_bytes: int
-    device_peak_bytes: int
+    device_peak_bytes: int  # the tensors' peak (what torch.cuda.max_memory_allocated reports)
+    device_reserved_bytes: int  # the tensors' peak plus `overhead`: what the process reserves (nvidia-smi); must fit
+    overhead: dict[str, int]  # the process's device bytes beyond its tensors, by term (hsoffload.planning.overhead)
     device_peak_bytes_checkpointing: int
+    device_reserved_bytes_checkpointing: int  # what the process reserves with checkpointing alone
     device_peak_bytes_no_checkpointing: int
     peak_phase: str
     peak_parts: dict[str, int]
@@ -167,6 +175,7 @@ class LongestRun:
     peak_bytes: Optional[int] = None
     dominant_term: Optional[str] = None
     wall: Optional[WallHit] = None  # the wall that stopped it below the memory limit, if one did
+    reserved_bytes: Optional[int] = None  # the peak plus the process's overhead (what must fit the device)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(knob["share_copies"].plan_flag, action="store_true", default=knob["share_copies"].default, help="as OffloadConfig(share_copies=True): policy all copies a tensor several ops save once (default: a copy per save, each restoring its own bytes)")
     pl.add_argument("--no-checkpointing", dest="checkpointing", action="store_false", help="no gradient checkpointing (hsoffload then offloads with policy all)")
     pl.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="weights, gradients and optimizer states replicated on every rank (default: FSDP-sharded over --world-size)")
+    pl.add_argument("--overhead-gib", type=float, default=None, help="device GiB the process holds beyond its tensors, instead of the sourced defaults (CUDA context, cuBLAS workspaces, NCCL communicators, ZeRO-3 buckets); the allocator's margin (--fragmentation) is added either way")
+    pl.add_argument("--fragmentation", type=float, default=0.05, help="the caching allocator's reserved-but-unused share of the peak (default 0.05)")
+    pl.add_argument("--deepspeed-config", default=None, metavar="JSON", help="a DeepSpeed config: with ZeRO-3, its reduce and prefetch buckets are counted ('auto' as transformers fills it)")
     pl.add_argument("--attention-mask", action="store_true", help="the batches carry a padding or packing mask (SDPA then runs its memory-efficient kernel with the mask, silently wrong past 65,536 tokens); default: padding-free causal batches")
     pl.add_argument("--torch", dest="torch_version", default=None, metavar="VERSION", help="the torch release the kernels' walls are read for (default: the installed one, from package metadata)")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -220,6 +223,9 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--spill-dir {args.spill_dir!r} is not a directory")
 
 
+_SIZES = ("host_ram_bytes", "device_bytes", "overhead_bytes")  # PlanInput's bytes, which the CLI takes in GiB
+
+
 def plan_input(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """The one typed input of `hsoffload plan` from its flags: each flag's dest is a PlanInput field but for the GiB
     sizes; with --input, the file's fields, overridden by the flags given beside it (those off their default)."""
@@ -230,11 +236,12 @@ def plan_input(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(PlanInput) if hasattr(args, f.name)}
     values["host_ram_bytes"] = int(args.host_ram_gib * gib) if args.host_ram_gib is not None else None
     values["device_bytes"] = int(args.device_gib * gib) if args.device_gib is not None else None
+    values["overhead_bytes"] = int(args.overhead_gib * gib) if args.overhead_gib is not None else None
     if args.input is None:
         return PlanInput(**{**values, "seq_len": args.seq_len if args.seq_len is not None else 1})
     given = {name: value for name, value in values.items()
-             if value != sub.get_default(name) and name not in ("host_ram_bytes", "device_bytes")}
-    given.update({k: values[k] for k in ("host_ram_bytes", "device_bytes") if values[k] is not None})
+             if value != sub.get_default(name) and name not in _SIZES}
+    given.update({k: values[k] for k in _SIZES if values[k] is not None})
     return dataclasses.replace(PlanInput.from_file(args.input), **given)
 
 
