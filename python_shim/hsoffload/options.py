@@ -123,7 +123,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("reserve_host_bytes", BYTES, None, "host bytes pinned before the first step (`hsoffload plan`'s host "
            "figure; null: the pool grows during the first steps)", nullable=True),
     Option("max_host_bytes", BYTES_OR_AUTO, None, "offloaded bytes in host RAM at once: bytes, a size such as 64GiB, "
-           "or auto (80% of MemAvailable / ranks on the node); null: keep the process's budget", nullable=True,
+           f"or auto ({AUTO_HOST_BUDGET_FRACTION:.0%} of MemAvailable / ranks on the node); null: keep the process's "
+           "budget", nullable=True,
            env="HSOFFLOAD_MAX_HOST_BYTES"),
     Option("policy", POLICY, PolicyName.HIDDEN_STATES, "what is offloaded: hidden_states, sac (plus what selective "
            "checkpointing keeps) or all (every saved activation; no checkpointing needed)", plan_flag="--policy"),
@@ -191,7 +192,7 @@ def allowed(option: Option) -> str:
             POLICY: ", ".join(p.value for p in list(PolicyName)[:-1]) + " or " + list(PolicyName)[-1].value,
         }[kind]
     if option.kind == INT and option.maximum is not None:
-        words += f" and <= {option.maximum:g}"
+        words += f" and <= {int(option.maximum):,}"
     return ("null or " + words) if option.nullable else words
 
 
@@ -210,7 +211,7 @@ def validate(option: Option, value: Any, what: Optional[str] = None) -> Any:
         if not isinstance(value, int) or isinstance(value, bool) or (option.minimum is not None and value < option.minimum):
             raise ValueError(f"hsoffload: {what} must be {allowed(option)}, got {value!r}")
         if option.maximum is not None and value > option.maximum:
-            raise ValueError(f"hsoffload: {what} must be at most {option.maximum:g}, got {value}")
+            raise ValueError(f"hsoffload: {what} must be at most {int(option.maximum):,}, got {value}")
         return value
     if kind == FLOAT:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
@@ -228,8 +229,8 @@ def validate(option: Option, value: Any, what: Optional[str] = None) -> Any:
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise ValueError(f"hsoffload: {what} must be a directory path or None, got {value!r}")
         return os.fspath(value)
-    if kind == POLICY:
-        return value if callable(value) else PolicyName.parse(value)
+    if kind == POLICY:  # stored as the plain string (YAML/JSON dump it); its behaviour: PolicyName(value)
+        return value if callable(value) else PolicyName.parse(value).value
     raise AssertionError(f"unknown option kind {kind!r}")
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import logging
 from typing import Any, Iterator

@@ -34,8 +34,8 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
                 found.add(candidate if candidate in modules else target)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "hsoffload")
-    # Importing a submodule runs its package's __init__ first; the root package's is the public facade that
-    # imports everything, so edges into it are not dependencies of a module.
+    # Importing a submodule runs its package's __init__ first; the root package's is the public facade (it resolves
+    # its names lazily), so edges into it are not dependencies of a module.
     return {m for m in found if m in modules and m != name and m != "hsoffload"}
 
 

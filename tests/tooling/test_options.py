@@ -67,7 +67,8 @@ def test_policy_is_one_type_that_takes_the_strings() -> None:
     import hsoffload
 
     config = hsoffload.OffloadConfig(policy="sac")
-    assert config.policy is options.PolicyName.SAC and config.policy == "sac"
+    assert config.policy == "sac" and type(config.policy) is str  # the string users pass (YAML/JSON dump it)
+    assert config.policy_name is options.PolicyName.SAC
     assert config.policy_name.offloads_sac_saves and config.policy_name.marks_layer_inputs
     assert hsoffload.OffloadConfig(policy=lambda t, n: True).policy_name is None
     with pytest.raises(ValueError, match="'hidden_states', 'sac', 'all' or a callable"):
@@ -77,7 +78,8 @@ def test_policy_is_one_type_that_takes_the_strings() -> None:
 def test_no_policy_is_compared_by_name_outside_its_type() -> None:
     """What a policy does is asked of PolicyName (or hsoffload.offload.policy's functions for callables): no module
     compares a policy with a name."""
-    pattern = re.compile(r"""(policy|offload|_policy)\s*(==|!=|\bin\b)\s*[("'](hidden_states|sac|all)""")
+    names = r"""["'](hidden_states|sac|all)["']"""
+    pattern = re.compile(rf"""(policy|offload)\w*\s*(==|!=|\bin\b)\s*[(]?{names}|{names}\s*(==|!=)\s*\w*(policy|offload)""")
     found = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "python_shim/hsoffload").rglob("*.py")
              for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, found
@@ -89,10 +91,13 @@ def test_axolotl_keys_model_and_docstring_are_the_table() -> None:
     keys = {o.axolotl_key for o in options.OPTIONS}
     assert set(plugin.KEYS) == keys
     assert set(plugin.HsOffloadArgs.model_fields) == keys
-    documented = dict(re.findall(r"^\s{4}(hsoffload_\w+): (\S+)", plugin.__doc__, re.M))
-    assert set(documented) == keys, sorted(set(documented) ^ keys)
-    wrong = {k: v for k, v in documented.items() if v != options.yaml_value(plugin.KEYS[k].default)}
-    assert not wrong, f"defaults in the plugin's YAML that are not the table's: {wrong}"
+    guide = (ROOT / "docs/axolotl.md").read_text()
+    for where, pattern, text in (("the plugin's docstring", r"^\s{4}(hsoffload_\w+): (\S+)", plugin.__doc__),
+                                 ("docs/axolotl.md", r"^(hsoffload_\w+): (\S+)", guide)):
+        documented = dict(re.findall(pattern, text, re.M))
+        assert set(documented) == keys, (where, sorted(set(documented) ^ keys))
+        wrong = {k: v for k, v in documented.items() if v != options.yaml_value(plugin.KEYS[k].default)}
+        assert not wrong, f"defaults in {where}'s YAML that are not the table's: {wrong}"
     schema = plugin.HsOffloadArgs.model_json_schema()["properties"]
     assert schema["hsoffload_offload_fraction"]["anyOf"][0] == {"maximum": 1.0, "minimum": 0.0, "type": "number"}
 
@@ -144,4 +149,7 @@ def test_a_default_changed_in_the_table_changes_everywhere(monkeypatch: pytest.M
     assert hsoffload.OffloadConfig().engine_kwargs()["prefetch_depth"] == 3
     assert plugin.offload_config({}).prefetch_depth == 3
     assert "X(int64_t, prefetch_depth, 3)" in options.cpp_header()
+    from hsoffload import plan
+
+    assert plan.PlanInput(config="x", seq_len=8).prefetch_depth == 3
     assert build_parser().parse_args(["plan", "x", "--seq-len", "8"]).prefetch_depth == 3

@@ -27,7 +27,9 @@ def test_terms_follow_the_collectives_in_use(capsys: pytest.CaptureFixture[str])
     one = _json(capsys, LLAMA_8B, "--seq-len", "8192", "--device-gib", "80")["overhead"]
     assert set(one) == {"cuda_context", "cublas_workspaces", "fragmentation"}
     fsdp = _json(capsys, LLAMA_8B, "--seq-len", "8192", "--world-size", "8", "--device-gib", "80")["overhead"]
-    assert fsdp["nccl_sharding"] == overhead.NCCL_COMMUNICATOR and "nccl_sequence_parallel" not in fsdp
+    assert fsdp["nccl_data_parallel"] == overhead.NCCL_COMMUNICATOR and "nccl_sequence_parallel" not in fsdp
+    ddp = _json(capsys, LLAMA_8B, "--seq-len", "8192", "--world-size", "8", "--no-fsdp")["overhead"]
+    assert ddp["nccl_data_parallel"] == overhead.NCCL_COMMUNICATOR  # DDP's all-reduce needs one too
     ulysses = _json(capsys, LLAMA_8B, "--seq-len", "65536", "--world-size", "8", "--sequence-parallel", "8")["overhead"]
     assert ulysses["nccl_sequence_parallel"] == overhead.NCCL_ALL_TO_ALL
     ring = _json(capsys, LLAMA_8B, "--seq-len", "65536", "--world-size", "8", "--sequence-parallel", "8",

@@ -663,6 +663,17 @@ def test_one_plan_shape_from_flags_a_call_and_a_file(tmp_path: Path, capsys: pyt
     assert _plan_json(capsys, "--input", str(tmp_path / "run.yaml")) == flags
     longer = _plan_json(capsys, "--input", str(tmp_path / "run.json"), "--seq-len", "131072")
     assert longer["seq_len"] == 131072 and longer["policy"] == "sac" and not longer["fsdp"]
+    # A flag written beside --input overrides the file even when it repeats the flag's default.
+    (tmp_path / "deep.json").write_text(json.dumps({**fields, "prefetch_depth": 2}))
+    assert _plan_json(capsys, "--input", str(tmp_path / "deep.json"), "--prefetch-depth", "1",
+                      "--policy", "hidden_states")["policy"] == "hidden_states"
+    assert plan.plan(plan.PlanInput.from_file(str(tmp_path / "deep.json"))).policy == "sac"
+    # to_json's output is an input again; --max-seq needs no seq_len in the file.
+    (tmp_path / "again.json").write_text(json.dumps({**inp.to_json(), "config": LLAMA_8B}))
+    assert plan.PlanInput.from_file(str(tmp_path / "again.json")) == inp
+    (tmp_path / "no_len.json").write_text(json.dumps({"config": "config.json", "world_size": 8,
+                                                      "device_bytes": 80 * GIB}))
+    assert _plan_json(capsys, "--input", str(tmp_path / "no_len.json"), "--max-seq")["rows"]
     (tmp_path / "bad.json").write_text(json.dumps({**fields, "seq_lenght": 8}))
     assert main(["plan", "--input", str(tmp_path / "bad.json")]) == 2
     assert "unknown key 'seq_lenght'; did you mean seq_len?" in capsys.readouterr().err

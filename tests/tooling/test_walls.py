@@ -76,6 +76,9 @@ def test_every_wall_turns_the_verdict_at_its_first_length(wall: walls.Wall) -> N
     before = plan.plan(plan.PlanInput(config=LLAMA_8B, seq_len=first - 1, **roomy))
     assert wall.name not in {h.name for h in before.walls}
     assert wall.source and wall.fix and wall.consequence in (walls.CRASH, walls.SILENT)
+    # The first lengths docs/usage.md's table gives for Llama-3-8B on one rank (not from the code under test).
+    assert first == {"liger_rms_norm_int32": 524_288, "flash_attention_2_int32": 524_288,
+                     "sdpa_mem_efficient_masked_uint32": 65_537, "arange_uint32": 4_294_967_297}[wall.name]
 
 
 def test_sdpa_with_a_mask_past_65536_tokens_is_silently_wrong(capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,12 +93,20 @@ def test_sdpa_with_a_mask_past_65536_tokens_is_silently_wrong(capsys: pytest.Cap
 
 
 def test_a_released_fix_lifts_a_wall(monkeypatch: pytest.MonkeyPatch) -> None:
-    fixed = tuple(dataclasses.replace(w, fixed_in="2.15.0") if w.name == "flash_attention_2_int32" else w
+    """A torch wall reads the planned torch (--torch); a kernel library's reads that library's installed version."""
+    fixed = tuple(dataclasses.replace(w, fixed_in="4.10.0") if w.name == "arange_uint32" else
+                  dataclasses.replace(w, fixed_in="2.8.3") if w.name == "flash_attention_2_int32" else w
                   for w in walls.WALLS)
     monkeypatch.setattr(walls, "WALLS", fixed)
-    inp = plan.PlanInput(config=LLAMA_8B, seq_len=524_288, attn="flash", device_bytes=1 << 60, host_ram_bytes=1 << 60)
-    assert plan.plan(dataclasses.replace(inp, torch_version="2.14.1")).verdict == "does not run"
-    assert plan.plan(dataclasses.replace(inp, torch_version="2.15.0+cu130")).verdict == "fits"
+    inp = plan.PlanInput(config=LLAMA_8B, seq_len=1 << 32 | 1, device_bytes=1 << 62, host_ram_bytes=1 << 62)
+    assert plan.plan(dataclasses.replace(inp, torch_version="4.9.1")).verdict == "silently wrong"
+    assert plan.plan(dataclasses.replace(inp, torch_version="4.10.0+cu130")).walls == []
+    flash = plan.PlanInput(config=LLAMA_8B, seq_len=524_288, attn="flash", device_bytes=1 << 62,
+                           host_ram_bytes=1 << 62, torch_version="9.9")  # --torch does not lift flash-attn's wall
+    monkeypatch.setattr(walls, "installed_version", lambda package: None)
+    assert plan.plan(flash).verdict == "does not run"
+    monkeypatch.setattr(walls, "installed_version", lambda package: "2.8.3" if package == "flash-attn" else None)
+    assert plan.plan(flash).verdict == "fits"
 
 
 def test_the_offload_warns_once_at_the_index_wall(caplog: pytest.LogCaptureFixture) -> None:

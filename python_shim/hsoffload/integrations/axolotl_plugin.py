@@ -81,6 +81,7 @@ except ImportError:  # Axolotl absent: a stand-in with the same (no-op) construc
 # knobs (hsoffload.options), from which validation (below) and the pydantic schema Axolotl merges into its config (so
 # Axolotl's own config check refuses bad values too) are made.
 KEYS: dict[str, options.Option] = {o.axolotl_key: o for o in options.OPTIONS}
+KEY: dict[str, str] = {o.name: o.axolotl_key for o in options.OPTIONS}  # option name -> its Axolotl key
 
 
 def _pydantic_field(option: options.Option) -> tuple[Any, Any]:
@@ -194,7 +195,7 @@ def deepspeed_zero_stage(cfg: Any) -> Optional[int]:
 
 def wants_zero3_loading(cfg: Any) -> bool:
     """True for `hsoffload_zero3_loading: true` with a ZeRO-3 `deepspeed` config."""
-    return _cfg_get(cfg, "hsoffload_zero3_loading") is True and deepspeed_zero_stage(cfg) == 3
+    return _cfg_get(cfg, KEY["zero3_loading"]) is True and deepspeed_zero_stage(cfg) == 3
 
 
 def offload_config(cfg: Any) -> OffloadConfig:
@@ -246,8 +247,8 @@ class HsOffloadPlugin(BasePlugin):
         if wants_zero3_loading(cfg):
             from ..loading import zero3 as zero3_loading
 
-            zero3_loading.patch(verify=_cfg_get(cfg, "hsoffload_zero3_loading_verify") is True)  # logs what it patched
-        elif _cfg_get(cfg, "hsoffload_zero3_loading") is True:
+            zero3_loading.patch(verify=_cfg_get(cfg, KEY["zero3_loading_verify"]) is True)  # logs what it patched
+        elif _cfg_get(cfg, KEY["zero3_loading"]) is True:
             log_once("zero3_loading_without_zero3", logging.WARNING,
                      "hsoffload: hsoffload_zero3_loading: true does nothing here: deepspeed: %r is not a readable "
                      "ZeRO-3 config (a JSON file, dict or base64 JSON with zero_optimization.stage 3)",
@@ -256,7 +257,7 @@ class HsOffloadPlugin(BasePlugin):
     def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
         if not is_enabled(cfg):
             return
-        policy = options.PolicyName.parse(_cfg_get(cfg, "hsoffload_policy") or options.default("policy"))
+        policy = options.PolicyName.parse(_cfg_get(cfg, KEY["policy"]) or options.default("policy"))
         if not _cfg_get(cfg, "gradient_checkpointing") and not policy.offloads_every_save:
             logger.warning(
                 "hsoffload: activation_offloading: hidden_states needs gradient_checkpointing: true; without it "

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any, Optional, Union
 
 from .. import options
-from ..options import PolicyName, parse_bytes  # noqa: F401  (parse_bytes: where the integrations have found it)
+from ..options import PolicyName
 from .policy import Policy
 
 
@@ -54,7 +54,8 @@ class OffloadConfig:
     # the version counter (`.data`, a kernel writing through a raw pointer) between two saves then restores the first
     # save's bytes. False: each saved tensor restores the bytes it had at its own save (docs/design.md, "Copy sharing").
     share_copies: bool = _default("share_copies")
-    # What is offloaded: a PolicyName ("hidden_states", "sac", "all": the strings work) or a callable
+    # What is offloaded: the name of a policy ("hidden_states", "sac", "all"; kept as that string, its behaviour is
+    # `policy_name`'s, a PolicyName) or a callable
     # (tensor, module_qualified_name) -> bool (see hsoffload.offload.policy and docs/usage.md, "Offload policies").
     policy: Policy = _default("policy")
     keep_last_layers: int = _default("keep_last_layers")  # the last k decoder layers keep their tensors on the device

@@ -62,6 +62,13 @@ _lock = threading.Lock()  # serialises patch()/unpatch() (the two ClassPatches m
 _IN_CHECKPOINT_WRAPPER = "_hsoffload_in_checkpoint_wrapper"
 
 
+def _mark_hidden_state(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Marks a decoder layer's hidden_states (every path that marks one goes through here), warning once past the
+    kernels' 32-bit index wall."""
+    diagnostics.report_index_wall(layer, x)
+    return torch.ops.hsoffload.mark_hidden_state(x)
+
+
 def _pass_hidden_states_first(layer: torch.nn.Module, args: tuple, kwargs: dict, mark: bool) -> tuple:
     """Return the positional arguments with `hidden_states` first (and marked when `mark`).
 
@@ -69,10 +76,7 @@ def _pass_hidden_states_first(layer: torch.nn.Module, args: tuple, kwargs: dict,
     layer's forward takes it first), since the checkpoint never saves keyword arguments.
     """
     def marker(x: torch.Tensor) -> torch.Tensor:
-        if not mark:
-            return x
-        diagnostics.report_index_wall(layer, x)
-        return torch.ops.hsoffload.mark_hidden_state(x)
+        return _mark_hidden_state(layer, x) if mark else x
 
     if args and isinstance(args[0], torch.Tensor):
         return (marker(args[0]),) + args[1:]
@@ -136,7 +140,7 @@ def _call_marking_at_checkpoint(previous: Callable[..., Any], layer: torch.nn.Mo
         nonlocal reached
         reached = True
         if cargs and isinstance(cargs[0], torch.Tensor):
-            cargs = (torch.ops.hsoffload.mark_hidden_state(cargs[0]),) + cargs[1:]
+            cargs = (_mark_hidden_state(layer, cargs[0]),) + cargs[1:]
         else:
             diagnostics.report_missing_hidden_states(layer)
         return checkpoint_fn(function, *cargs, **ckwargs)

@@ -33,15 +33,9 @@ if TYPE_CHECKING:
 
 PolicyFn = Callable[[torch.Tensor, str], bool]
 Policy = Union[PolicyName, str, PolicyFn]  # a str is one of PolicyName's values (OffloadConfig makes it a PolicyName)
-POLICIES = tuple(p.value for p in PolicyName)
 
 # What a policy does is asked of the policy (hsoffload.options.PolicyName's properties), never compared by name; the
 # functions below answer it for callables too.
-
-
-def validate_policy(policy: Any) -> Policy:
-    """`policy` as a PolicyName, or the callable; a ValueError that lists the choices otherwise."""
-    return policy if callable(policy) else PolicyName.parse(policy)
 
 
 def policy_name(policy: Policy) -> str:

@@ -58,7 +58,7 @@ import dataclasses
 import math
 from typing import Any, Optional
 
-from ..options import PolicyName
+from ..options import BY_NAME, PolicyName
 
 F32 = 4
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash", "math", "eager")
@@ -256,16 +256,16 @@ class Setup:
     chunked_loss: bool = False
     attn: str = "sdpa"
     checkpointing: bool = True
-    offload: Optional[str] = "hidden_states"  # None: no hsoffload; else a policy of OFFLOAD_POLICIES
-    keep_last_layers: int = 0
-    prefetch_depth: int = 1
+    offload: Optional[str] = BY_NAME["policy"].default.value  # None: no hsoffload; else one of OFFLOAD_POLICIES
+    keep_last_layers: int = BY_NAME["keep_last_layers"].default
+    prefetch_depth: int = BY_NAME["prefetch_depth"].default
     optimizer: str = "adamw"
     selective_checkpointing: bool = False  # a SAC policy keeps the projections' outputs (policy "sac" offloads them)
     cpu_offload: str = "none"  # one of CPU_OFFLOAD
     fused_kernels: str = "none"  # one of FUSED_KERNELS ("liger" implies chunked_loss: its fused linear cross-entropy)
     sequence_parallel_kind: str = "ulysses"  # one of SEQUENCE_PARALLEL_KINDS
     experts_implementation: str = "grouped_mm"  # one of EXPERTS_IMPLEMENTATIONS (MoE models only)
-    share_copies: bool = False  # hsoffload's share_copies: saves of one tensor by several ops share one host copy
+    share_copies: bool = BY_NAME["share_copies"].default  # saves of one tensor by several ops share one host copy
     # The batches carry an attention mask (padding, packed documents): SDPA then runs its memory-efficient kernel with
     # the mask instead of the causal path (its wall: hsoffload.planning.walls). Its bytes are not modelled.
     attention_mask: bool = False

@@ -45,11 +45,11 @@ class Overhead:
 
 
 def communicators(s: Setup) -> dict[str, int]:
-    """The NCCL communicators the step uses and what each holds: FSDP's all-gather/reduce-scatter group, Ulysses'
-    all-to-all group, ring attention's send/recv."""
+    """The NCCL communicators the step uses and what each holds: the data-parallel group (FSDP's all-gather and
+    reduce-scatter, or DDP's all-reduce), Ulysses' all-to-all group, ring attention's send/recv."""
     out: dict[str, int] = {}
-    if s.world_size > 1 and s.fsdp:
-        out["nccl_sharding"] = NCCL_COMMUNICATOR
+    if s.world_size > 1:
+        out["nccl_data_parallel"] = NCCL_COMMUNICATOR
     if s.sequence_parallel > 1:
         out["nccl_sequence_parallel"] = NCCL_ALL_TO_ALL if s.sequence_parallel_kind == "ulysses" else NCCL_COMMUNICATOR
     return out

@@ -28,7 +28,7 @@ from typing import Any, Optional
 from .. import options
 from ..options import AUTO_HOST_BUDGET_FRACTION, PolicyName
 from . import memory as pm
-from . import overhead, walls
+from . import overhead, timing, walls
 from .overhead import Budget, Overhead
 from .memory import PlanError
 from .shapes import PLAN_FORMAT_VERSION, LongestRun, MaxSeqResult, MaxSeqRow, PlanInput, PlanResult  # noqa: F401
@@ -190,7 +190,7 @@ _LOGIT_PARTS = ("logits", "logits_float32", "log_probs", "logits_gradients")
 _OVERHEAD_NAMES = {
     "cuda_context": "CUDA context",
     "cublas_workspaces": "cuBLAS workspaces",
-    "nccl_sharding": "NCCL communicator (FSDP/ZeRO gathers)",
+    "nccl_data_parallel": "NCCL communicator (data parallel: gathers or all-reduce)",
     "nccl_sequence_parallel": "NCCL communicator (sequence parallelism)",
     "zero3_buckets": "ZeRO-3 reduce and prefetch buckets",
     "overhead_given": "overhead (--overhead-gib)",
@@ -207,6 +207,19 @@ def _peak_summary(shape: pm.ModelShape, setup: pm.Setup) -> tuple[pm.Phase, str,
         parts["logits"] = logits
     name = max(parts, key=lambda k: parts[k])
     return phase, name, parts[name]
+
+
+def device_profile_of(inp: PlanInput) -> timing.DeviceProfile:
+    """The device profile the step times are for: the named or given one, with --tflops / --bandwidth applied."""
+    return timing.with_overrides(timing.profile(inp.device_profile), inp.tflops, inp.bandwidth_gbps)
+
+
+def offloaded_layer_bytes(shape: pm.ModelShape, s: pm.Setup) -> list[int]:
+    """What each layer copies to the host and back under `s` (0 for kept layers and without hsoffload)."""
+    if s.offload is None:
+        return [0] * shape.layers
+    held = [pm.held_per_layer_bytes(shape, s, pm.is_moe_layer(shape, i)) for i in range(shape.layers)]
+    return [b if i < shape.layers - s.keep_last_layers else 0 for i, b in enumerate(held)]
 
 
 def overhead_of(inp: PlanInput, shape: pm.ModelShape) -> Overhead:
@@ -311,10 +324,11 @@ def plan(inp: PlanInput) -> PlanResult:
     phase, dominant, dominant_bytes = _peak_summary(shape, setup)
     peak_ckpt = pm.peak(shape, ckpt_setup).total
     peak_none = pm.peak(shape, dataclasses.replace(setup, checkpointing=False, offload=None)).total
-    transfer_s = layer_input / (inp.bandwidth_gbps * 1e9)
-    layer_params = shape.largest_layer_parameters()
-    attention_flops = 2 * inp.micro_batch * inp.seq_len * (inp.seq_len // setup.sequence_parallel) * hidden
-    forward_s = (2 * layer_params * tokens + attention_flops) / (inp.tflops * 1e12)
+    device = device_profile_of(inp)
+    step = timing.step_time(shape, setup, device, offloaded_layer_bytes(shape, setup), local)
+    step_ckpt = timing.step_time(shape, ckpt_setup, device, [0] * layers, local)
+    transfer_s = layer_input / timing.copy_bandwidth(device, local)
+    forward_s = step.parts["forward"] / layers
     hides = transfer_s <= forward_s
     budget = Budget(device_bytes, overhead_of(inp, shape))
     overhead_terms = budget.terms(shape, setup)
@@ -414,6 +428,11 @@ def plan(inp: PlanInput) -> PlanResult:
         transfer_s_per_layer=transfer_s,
         forward_s_per_layer=forward_s,
         copies_hide_behind_compute=hides,
+        device_profile=device.name,
+        step_time_s=step.total_s,
+        step_time_s_checkpointing=step_ckpt.total_s,
+        step_overhead=step.total_s / step_ckpt.total_s - 1,
+        step_parts=step.parts,
         verdict=verdict,
         fixes=fixes,
         advice=why,
@@ -537,12 +556,17 @@ def format_plan(p: PlanResult) -> str:
         ("per node, in host memory:", None),
         ("model states, all ranks (pinned)", g(p.model_states_host_bytes_per_node)),
         ("offloaded, all ranks", g(p.offloaded_bytes_per_rank * p.local_world_size)),
-        (f"host budget (80 % of {g(p.host_ram_bytes)} - model states)", g(p.host_budget_bytes_per_node)),
+        (f"host budget ({AUTO_HOST_BUDGET_FRACTION:.0%} of {g(p.host_ram_bytes)} - model states)", g(p.host_budget_bytes_per_node)),
         ("in host memory", g(p.host_bytes_per_node)),
         ("to spill_dir", g(p.spill_bytes_per_node)),
         ("per layer:", None),
         (f"copy of what it holds for backward ({g(p.layer_input_bytes)})", ms(p.transfer_s_per_layer)),
         ("forward compute (estimate)", ms(p.forward_s_per_layer)),
+        (f"per step ({p.device_profile}; hsoffload.planning.timing):", None),
+        ("with hsoffload", f"{p.step_time_s:,.3f} s ({p.step_overhead:+.1%} against checkpointing only)"),
+        ("checkpointing only", f"{p.step_time_s_checkpointing:,.3f} s"),
+        ("of which copies not hidden by compute",
+         ms(p.step_parts.get("exposed_d2h", 0.0) + p.step_parts.get("exposed_h2d", 0.0))),
     ]
     width = max(len(label) for label, value in rows if value is not None) + 4
     lines = [
@@ -631,6 +655,7 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
     local = inp.local_world_size or min(inp.world_size, 8)
     torch_version = inp.torch_version or walls.installed_torch_version()
     budget = Budget(device_bytes, overhead_of(inp, shape))
+    device = device_profile_of(inp)
     rows = []
     for label, change in combos:
         row: dict[str, Any] = {"knobs": label}
@@ -654,8 +679,9 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
                 at = dataclasses.replace(s, seq_len=longest, tiled_mlp=_auto_tiles(shape, s, longest)
                                          if change.get("tiled_mlp") == 0 else s.tiled_mlp)
                 phase, dominant, _ = _peak_summary(shape, at)
+                predicted = timing.step_time(shape, at, device, offloaded_layer_bytes(shape, at), local)
                 row[column] = LongestRun(seq_len=longest, peak_bytes=phase.total, dominant_term=dominant, wall=wall,
-                                         reserved_bytes=budget.reserved(shape, at))
+                                         reserved_bytes=budget.reserved(shape, at), step_time_s=predicted.total_s)
         rows.append(MaxSeqRow(**row))
     on_host = dataclasses.replace(base, cpu_offload="params")
     return MaxSeqResult(
@@ -667,6 +693,7 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
         sequence_parallel_kind=base.sequence_parallel_kind,
         micro_batch=inp.micro_batch, dtype=inp.dtype, attn=base.attn, policy=base.offload,
         host_ram_bytes=inp.host_ram_bytes, step=step, rows=rows, torch_version=torch_version,
+        device_profile=device.name,
     )
 
 
@@ -682,7 +709,7 @@ def format_max_seq(r: MaxSeqResult) -> str:
             return "none fits"
         stop = f"; wall: {run.wall.name}" if run.wall else ""
         return (f"{run.seq_len:,} ({run.reserved_bytes / _GIB:,.1f} GiB reserved, {run.peak_bytes / _GIB:,.1f} "
-                f"tensors, {run.dominant_term}{stop})")
+                f"tensors, {run.dominant_term}{stop}; {run.step_time_s:,.1f} s/step)")
 
     given = "".join([f", experts {r.experts_implementation}" if r.experts_implementation else "",
                      f", {r.fused_kernels} kernels" if r.fused_kernels != "none" else "",

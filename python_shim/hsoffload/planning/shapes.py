@@ -12,7 +12,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import options
 from .memory import PlanError
+from .overhead import FRAGMENTATION
 from .walls import WallHit
 
 # The version of the results' JSON: raised when a key is renamed or removed (adding one keeps it).
@@ -30,13 +32,14 @@ class PlanInput:
     world_size: int = 1
     local_world_size: Optional[int] = None  # default: min(world_size, 8)
     dtype: str = "bfloat16"
-    bandwidth_gbps: float = 25.0  # host <-> device, GB/s per rank
-    tflops: float = 400.0  # sustained compute per rank, TFLOP/s
+    bandwidth_gbps: Optional[float] = None  # host <-> device, GB/s per rank; default: the device profile's
+    tflops: Optional[float] = None  # sustained compute per rank, TFLOP/s; default: the device profile's
+    device_profile: Optional[str] = None  # a profile of hsoffload.planning.timing.PROFILES or a JSON file (h100-sxm)
     host_ram_bytes: Optional[int] = None  # available RAM of one node; default: this machine's MemAvailable
     device_bytes: Optional[int] = None  # default: this machine's GPU memory when it has one, else 80 GiB
-    prefetch_depth: int = 1  # OffloadConfig.prefetch_depth (the table's default; tests/tooling/test_options.py)
+    prefetch_depth: int = dataclasses.field(default_factory=lambda: options.default("prefetch_depth"))
     policy: Optional[str] = None  # hidden_states (default with checkpointing), sac, or all (default without)
-    keep_last_layers: int = 0
+    keep_last_layers: int = dataclasses.field(default_factory=lambda: options.default("keep_last_layers"))
     optimizer: str = "adamw"
     sequence_parallel: int = 1
     tiled_mlp: int = 1
@@ -48,33 +51,42 @@ class PlanInput:
     fused_kernels: str = "none"  # none or liger (RMSNorm, SwiGLU, fused linear cross-entropy)
     sequence_parallel_kind: str = "ulysses"  # ulysses (all-to-all of heads) or ring (key/value chunks)
     experts_implementation: Optional[str] = None  # MoE: grouped_mm or eager; None: what the installed transformers picks
-    share_copies: bool = False  # OffloadConfig.share_copies (policy all: one copy for a tensor several ops save)
+    # OffloadConfig.share_copies (policy all: one copy for a tensor several ops save). The knobs OffloadConfig shares
+    # take their defaults from the one table (hsoffload.options; tests/tooling/test_options.py).
+    share_copies: bool = dataclasses.field(default_factory=lambda: options.default("share_copies"))
     attention_mask: bool = False  # batches carry a padding/packing mask (SDPA: the masked memory-efficient kernel)
     torch_version: Optional[str] = None  # the torch the walls are read for; default: the installed one (metadata)
     # What the process holds beyond its tensors (hsoffload.planning.overhead): None: the sourced defaults by the
     # collectives in use; bytes: that sum instead of the fixed terms. The allocator's margin is a share of the peak.
     overhead_bytes: Optional[int] = None
-    fragmentation: float = 0.05
+    fragmentation: float = FRAGMENTATION
     deepspeed_config: Optional[str] = None  # a DeepSpeed JSON: ZeRO-3's reduce and prefetch buckets counted
 
     @classmethod
     def from_mapping(cls, data: dict[str, Any], where: str = "the plan input") -> "PlanInput":
-        """A PlanInput from a dict of its fields; PlanError naming an unknown key (and the closest field)."""
+        """A PlanInput from a dict of its fields (to_json's output included); PlanError naming an unknown key (and
+        the closest field) or another format version."""
+        data = dict(data)
+        version = data.pop("format_version", PLAN_FORMAT_VERSION)
+        if version != PLAN_FORMAT_VERSION:
+            raise PlanError(f"hsoffload plan: {where}: format_version {version!r}; this hsoffload reads "
+                            f"{PLAN_FORMAT_VERSION}")
         names = [f.name for f in dataclasses.fields(cls)]
         for key in data:
             if key not in names:
                 close = difflib.get_close_matches(str(key), names, n=1)
                 hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(names)}"
                 raise PlanError(f"hsoffload plan: {where}: unknown key {key!r}{hint}")
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in data]
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
             raise PlanError(f"hsoffload plan: {where}: missing {', '.join(missing)}")
         return cls(**data)
 
     @classmethod
-    def from_file(cls, path: str) -> "PlanInput":
-        """A PlanInput from a JSON or YAML file of its fields (`config` relative to the file's folder)."""
+    def from_file(cls, path: str, defaults: Optional[dict[str, Any]] = None) -> "PlanInput":
+        """A PlanInput from a JSON or YAML file of its fields (`config` relative to the file's folder); `defaults`
+        fill what the file leaves out (the CLI's seq_len under --max-seq)."""
         p = Path(path)
         try:
             text = p.read_text()
@@ -96,7 +108,7 @@ class PlanInput:
             raise PlanError(f"hsoffload plan: {path}: a plan input is one mapping of PlanInput's fields")
         if isinstance(data.get("config"), str) and not Path(data["config"]).is_absolute():
             data = {**data, "config": str(p.parent / data["config"])}
-        return cls.from_mapping(data, where=str(path))
+        return cls.from_mapping({**(defaults or {}), **data}, where=str(path))
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": PLAN_FORMAT_VERSION, **dataclasses.asdict(self)}
@@ -157,6 +169,11 @@ class PlanResult:
     transfer_s_per_layer: float
     forward_s_per_layer: float
     copies_hide_behind_compute: bool
+    device_profile: str  # the profile the times are for
+    step_time_s: float  # one step with hsoffload as planned (hsoffload.planning.timing)
+    step_time_s_checkpointing: float  # the same step with checkpointing alone
+    step_overhead: float  # step_time_s / step_time_s_checkpointing - 1
+    step_parts: dict[str, float]  # step_time_s by part: compute, exposed copies, collectives, optimizer
     verdict: str  # "fits", "fits with spill", "does not fit", "does not run" (a wall) or "silently wrong" (a wall)
     fixes: list[str]
     advice: str
@@ -176,6 +193,7 @@ class LongestRun:
     dominant_term: Optional[str] = None
     wall: Optional[WallHit] = None  # the wall that stopped it below the memory limit, if one did
     reserved_bytes: Optional[int] = None  # the peak plus the process's overhead (what must fit the device)
+    step_time_s: Optional[float] = None  # one step at that length (hsoffload.planning.timing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +225,7 @@ class MaxSeqResult:
     step: int
     rows: list[MaxSeqRow]
     torch_version: Optional[str]  # the torch the walls were read for
+    device_profile: str  # the profile the step times are for
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": PLAN_FORMAT_VERSION, **dataclasses.asdict(self)}

@@ -36,10 +36,17 @@ class Wall:
     consequence: str  # CRASH or SILENT
     fix: str  # what to change, in words
     source: str
-    fixed_in: Optional[str] = None  # the first torch release with the fix (None: none known)
+    package: str = "torch"  # the distribution whose release fixes it (torch, liger-kernel, flash-attn)
+    fixed_in: Optional[str] = None  # that package's first release with the fix (None: none known)
+
+    def lifted(self, torch_version: Optional[str]) -> bool:
+        """The fix is in the release that runs: `torch_version` for torch's walls, the installed version for a
+        kernel library's."""
+        version = torch_version if self.package == "torch" else installed_version(self.package)
+        return _at_least(version, self.fixed_in)
 
     def hit(self, shape: ModelShape, s: Setup, torch_version: Optional[str]) -> bool:
-        if not self.applies(s) or _at_least(torch_version, self.fixed_in):
+        if not self.applies(s) or self.lifted(torch_version):
             return False
         return self.elements(shape, s) >= self.limit
 
@@ -65,6 +72,7 @@ WALLS: tuple[Wall, ...] = (
         fix="more sequence parallelism (--sequence-parallel), or transformers' RMSNorm (no --fused-kernels liger)",
         source="Liger-Kernel #803 (open; fix #804 not merged): 'an illegal memory access' at [1, 500K+, 4096]; ALST "
                "(arXiv 2506.13996) trains 500,000 tokens on one H100 and fails at 555,000",
+        package="liger-kernel",
     ),
     Wall(
         name="flash_attention_2_int32",
@@ -76,6 +84,7 @@ WALLS: tuple[Wall, ...] = (
             "'flash_attention_3': 64-bit offsets)",
         source="flash-attention #767 (open: 'FA2 will not be fixed, FA3 solves it'); Liger-Kernel #803 (FA2 fails "
                "with the same tensor)",
+        package="flash-attn",
     ),
     Wall(
         name="sdpa_mem_efficient_masked_uint32",
@@ -153,7 +162,7 @@ def first_below(shape: ModelShape, s: Setup, torch_version: Optional[str]) -> Op
     """The wall that `s`'s kind of run meets first as its sequence grows (None: no wall applies)."""
     candidates = []
     for w in WALLS:
-        if not w.applies(s) or _at_least(torch_version, w.fixed_in):
+        if not w.applies(s) or w.lifted(torch_version):
             continue
         first = _first_seq_len(w, shape, s)
         at = dataclasses.replace(s, seq_len=first)
@@ -171,11 +180,15 @@ def _at_least(version: Optional[str], fixed_in: Optional[str]) -> bool:
     return version is not None and fixed_in is not None and _version(version) >= _version(fixed_in)
 
 
-def installed_torch_version() -> Optional[str]:
-    """The installed torch's version from package metadata (no import), None without torch."""
+def installed_version(package: str) -> Optional[str]:
+    """An installed distribution's version from package metadata (no import), None when it is not installed."""
     from importlib import metadata
 
     try:
-        return metadata.version("torch")
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def installed_torch_version() -> Optional[str]:
+    return installed_version("torch")

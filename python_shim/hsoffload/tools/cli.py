@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import options
+from ..planning.overhead import FRAGMENTATION
 
 logger = logging.getLogger("hsoffload")
 
@@ -91,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--world-size", type=int, default=1, help="ranks in all (default 1: nothing sharded)")
     pl.add_argument("--local-world-size", type=int, default=None, help="ranks per node (default: min(world size, 8))")
     pl.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
-    pl.add_argument("--bandwidth", dest="bandwidth_gbps", type=float, default=25.0, metavar="GBps", help="host<->device copy bandwidth per rank, GB/s (default 25)")
-    pl.add_argument("--tflops", type=float, default=400.0, help="sustained compute per rank, TFLOP/s (default 400)")
+    pl.add_argument("--device-profile", default=None, metavar="NAME|JSON", help="the accelerator the step time is for: h100-sxm (default), h100-pcie, h200, a100-80gb, or a JSON file of hsoffload.planning.timing.DeviceProfile's fields")
+    pl.add_argument("--bandwidth", dest="bandwidth_gbps", type=float, default=None, metavar="GBps", help="host<->device copy bandwidth per rank, GB/s (default: the device profile's)")
+    pl.add_argument("--tflops", type=float, default=None, help="sustained compute per rank, TFLOP/s (default: the device profile's)")
     pl.add_argument("--host-ram-gib", type=float, default=None, help="available RAM of one node, GiB (default: this machine's MemAvailable)")
     pl.add_argument("--device-gib", type=float, default=None, help="memory of one device, GiB (default: the local GPU's when there is one, else 80)")
     # The flags that take a knob of OffloadConfig: their defaults from the one table (hsoffload.options).
@@ -113,11 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--experts-implementation", default=None, help="MoE models: grouped_mm (transformers 5.x's default: one grouped GEMM per projection) or eager (the loop over the experts, transformers 4.x); default: what the installed transformers runs for the model class")
     pl.add_argument("--cpu-offload", default="none", help="none (default), optimizer (optimizer states, float32 master weights and gradients in pinned host memory, the step on the CPU: ZeRO-Offload) or params (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3 offload_param; the device holds the gathered layers)")
     pl.add_argument("--attn", default="sdpa", help="sdpa (default) or flash: linear in the sequence; math (SDPA's fallback without fused kernels) or eager: quadratic")
-    pl.add_argument(knob["share_copies"].plan_flag, action="store_true", default=knob["share_copies"].default, help="as OffloadConfig(share_copies=True): policy all copies a tensor several ops save once (default: a copy per save, each restoring its own bytes)")
+    pl.add_argument(knob["share_copies"].plan_flag, action=argparse.BooleanOptionalAction, default=knob["share_copies"].default, help="as OffloadConfig(share_copies=True): policy all copies a tensor several ops save once (default: a copy per save, each restoring its own bytes)")
     pl.add_argument("--no-checkpointing", dest="checkpointing", action="store_false", help="no gradient checkpointing (hsoffload then offloads with policy all)")
     pl.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="weights, gradients and optimizer states replicated on every rank (default: FSDP-sharded over --world-size)")
     pl.add_argument("--overhead-gib", type=float, default=None, help="device GiB the process holds beyond its tensors, instead of the sourced defaults (CUDA context, cuBLAS workspaces, NCCL communicators, ZeRO-3 buckets); the allocator's margin (--fragmentation) is added either way")
-    pl.add_argument("--fragmentation", type=float, default=0.05, help="the caching allocator's reserved-but-unused share of the peak (default 0.05)")
+    pl.add_argument("--fragmentation", type=float, default=FRAGMENTATION, help=f"the caching allocator's reserved-but-unused share of the peak (default {FRAGMENTATION})")
     pl.add_argument("--deepspeed-config", default=None, metavar="JSON", help="a DeepSpeed config: with ZeRO-3, its reduce and prefetch buckets are counted ('auto' as transformers fills it)")
     pl.add_argument("--attention-mask", action="store_true", help="the batches carry a padding or packing mask (SDPA then runs its memory-efficient kernel with the mask, silently wrong past 65,536 tokens); default: padding-free causal batches")
     pl.add_argument("--torch", dest="torch_version", default=None, metavar="VERSION", help="the torch release the kernels' walls are read for (default: the installed one, from package metadata)")
@@ -181,7 +183,7 @@ def validate(args: argparse.Namespace) -> None:
         _at_least(args, "prefetch_depth", 0)
         _at_least(args, "keep_last_layers", 0)
         for name, flag in (("bandwidth_gbps", "--bandwidth"), ("tflops", "--tflops")):
-            if getattr(args, name) <= 0:
+            if getattr(args, name) is not None and getattr(args, name) <= 0:
                 raise UsageError(f"{flag} must be > 0, got {getattr(args, name)}")
         for name in ("host_ram_gib", "device_gib"):
             if getattr(args, name) is not None and getattr(args, name) <= 0:
@@ -223,35 +225,45 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--spill-dir {args.spill_dir!r} is not a directory")
 
 
-_SIZES = ("host_ram_bytes", "device_bytes", "overhead_bytes")  # PlanInput's bytes, which the CLI takes in GiB
+# PlanInput's byte sizes, which the CLI takes in GiB: field -> flag dest.
+_SIZES = {"host_ram_bytes": "host_ram_gib", "device_bytes": "device_gib", "overhead_bytes": "overhead_gib"}
 
 
-def plan_input(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+def _plan_flags_given(argv: Sequence[str]) -> set[str]:
+    """The dests of the `plan` flags written on the command line (argv parsed again with every default suppressed:
+    a flag given with its default value counts as given)."""
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices["plan"]  # noqa: SLF001  (argparse keeps subparsers there)
+    for action in sub._actions:  # noqa: SLF001
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(list(argv)))) - {"command", "verbose"}
+
+
+def plan_input(args: argparse.Namespace, argv: Sequence[str]) -> Any:
     """The one typed input of `hsoffload plan` from its flags: each flag's dest is a PlanInput field but for the GiB
-    sizes; with --input, the file's fields, overridden by the flags given beside it (those off their default)."""
+    sizes; with --input, the file's fields, overridden by the flags written beside it."""
     from ..planning.shapes import PlanInput
 
-    sub = parser._subparsers._group_actions[0].choices["plan"]  # noqa: SLF001  (argparse keeps subparsers there)
     gib = 1 << 30
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(PlanInput) if hasattr(args, f.name)}
-    values["host_ram_bytes"] = int(args.host_ram_gib * gib) if args.host_ram_gib is not None else None
-    values["device_bytes"] = int(args.device_gib * gib) if args.device_gib is not None else None
-    values["overhead_bytes"] = int(args.overhead_gib * gib) if args.overhead_gib is not None else None
+    for field, dest in _SIZES.items():
+        size = getattr(args, dest)
+        values[field] = int(size * gib) if size is not None else None
     if args.input is None:
         return PlanInput(**{**values, "seq_len": args.seq_len if args.seq_len is not None else 1})
-    given = {name: value for name, value in values.items()
-             if value != sub.get_default(name) and name not in _SIZES}
-    given.update({k: values[k] for k in _SIZES if values[k] is not None})
-    return dataclasses.replace(PlanInput.from_file(args.input), **given)
+    given = _plan_flags_given(argv)
+    overrides = {name: value for name, value in values.items() if name in given or _SIZES.get(name) in given}
+    defaults = {"seq_len": 1} if args.max_seq else {}  # --max-seq searches the length: the file need not give one
+    return dataclasses.replace(PlanInput.from_file(args.input, defaults), **overrides)
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import json
 
     from ..planning import plan
 
     try:
-        inp = plan_input(args, build_parser())
+        inp = plan_input(args, argv)
     except ValueError as exc:
         print(str(exc).splitlines()[0], file=sys.stderr)
         return 2
@@ -370,6 +382,7 @@ def _suffixed(path: str, suffix: str) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         validate(args)
@@ -382,7 +395,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "demo":
         return _demo(args)
     if args.command == "plan":
-        return _plan(args)
+        return _plan(args, argv)
     return _bench(args)
 
 
