@@ -125,3 +125,11 @@ def test_the_offload_warns_once_at_the_index_wall(caplog: pytest.LogCaptureFixtu
             hpatch._pass_hidden_states_first(layer, (huge,), {}, True)
     assert len(caplog.records) == 1
     assert "tokens x hidden per rank passes 2^31 elements" in caplog.records[0].getMessage()
+
+
+def test_every_marking_path_goes_through_the_wall_check() -> None:
+    """The patch marks a layer's hidden_states in one place (both the call path and transformers >= 5.23's
+    at-checkpoint path use it), so the run-time warning cannot miss a path."""
+    source = (REPO / "python_shim/hsoffload/offload/patch.py").read_text()
+    assert source.count("torch.ops.hsoffload.mark_hidden_state(") == 1
+    assert source.count("_mark_hidden_state(layer, ") >= 2
