@@ -197,7 +197,7 @@ def allowed(option: Option) -> str:
 
 
 def validate(option: Option, value: Any, what: Optional[str] = None) -> Any:
-    """`value` checked (and normalised: sizes to bytes, paths to str, policy names to PolicyName) for `option`;
+    """`value` checked (and normalised: sizes to bytes, paths to str, a policy name to its plain string) for `option`;
     ValueError/TypeError naming `what` (default: the option's name), the value and what is allowed."""
     what = what or option.name
     if value is None and option.nullable:
