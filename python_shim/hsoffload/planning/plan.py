@@ -664,13 +664,12 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
                                             else options.default("policy").value})):
             s = dataclasses.replace(base, **{**change, **over})
             unit = math.lcm(step, s.sequence_parallel)
-            longest = _longest(shape, s, budget, unit, auto_tiles=change.get("tiled_mlp") == 0)
-            # A kernel's wall below the memory limit stops the search there: past it the run does not run.
+            # A kernel's wall stops the search below it (past it the run does not run); it is what stopped the
+            # search when the longest length found is the last multiple of `unit` before it.
             wall = walls.first_below(shape, dataclasses.replace(s, seq_len=unit), torch_version)
-            if wall is not None and longest >= wall.first_seq_len:
-                longest = _longest(shape, s, budget, unit, auto_tiles=change.get("tiled_mlp") == 0,
-                                   limit=wall.first_seq_len - 1)
-            else:
+            cap = wall.first_seq_len - 1 if wall is not None else 1 << 26
+            longest = _longest(shape, s, budget, unit, auto_tiles=change.get("tiled_mlp") == 0, limit=cap)
+            if wall is not None and longest != cap // unit * unit:
                 wall = None
             row[column] = LongestRun(seq_len=longest, wall=wall)
             if column == "hsoffload" and inp.host_ram_bytes is not None:

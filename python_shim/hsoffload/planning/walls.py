@@ -149,27 +149,27 @@ def _first_seq_len(wall: Wall, shape: ModelShape, s: Setup) -> int:
     return hi * step
 
 
+def _hit(w: Wall, shape: ModelShape, s: Setup) -> WallHit:
+    """`w` as `s` meets it: its elements at `s` and the shortest sequence past it."""
+    return WallHit(name=w.name, consequence=w.consequence, kernel=w.kernel, tensor=w.tensor, limit=w.limit,
+                   elements=w.elements(shape, s), first_seq_len=_first_seq_len(w, shape, s), fix=w.fix,
+                   source=w.source)
+
+
 def met(shape: ModelShape, s: Setup, torch_version: Optional[str]) -> list[WallHit]:
     """Every wall `s` meets, the silently wrong ones first."""
-    hits = [WallHit(name=w.name, consequence=w.consequence, kernel=w.kernel, tensor=w.tensor, limit=w.limit,
-                    elements=w.elements(shape, s), first_seq_len=_first_seq_len(w, shape, s), fix=w.fix,
-                    source=w.source)
-            for w in WALLS if w.hit(shape, s, torch_version)]
+    hits = [_hit(w, shape, s) for w in WALLS if w.hit(shape, s, torch_version)]
     return sorted(hits, key=lambda h: h.consequence != SILENT)
 
 
 def first_below(shape: ModelShape, s: Setup, torch_version: Optional[str]) -> Optional[WallHit]:
-    """The wall that `s`'s kind of run meets first as its sequence grows (None: no wall applies)."""
-    candidates = []
-    for w in WALLS:
-        if not w.applies(s) or w.lifted(torch_version):
-            continue
-        first = _first_seq_len(w, shape, s)
-        at = dataclasses.replace(s, seq_len=first)
-        candidates.append(WallHit(name=w.name, consequence=w.consequence, kernel=w.kernel, tensor=w.tensor,
-                                  limit=w.limit, elements=w.elements(shape, at), first_seq_len=first, fix=w.fix,
-                                  source=w.source))
-    return min(candidates, key=lambda h: h.first_seq_len, default=None)
+    """The wall that `s`'s kind of run meets first as its sequence grows (None: no wall applies), as met there."""
+    candidates = [w for w in WALLS if w.applies(s) and not w.lifted(torch_version)]
+    firsts = [(_first_seq_len(w, shape, s), w) for w in candidates]
+    if not firsts:
+        return None
+    first, wall = min(firsts, key=lambda f: f[0])
+    return _hit(wall, shape, dataclasses.replace(s, seq_len=first))
 
 
 def _version(text: str) -> tuple[int, ...]:
