@@ -94,12 +94,14 @@ class Budget:
     device_bytes: int
     overhead: Overhead = Overhead()
 
-    def terms(self, shape: ModelShape, s: Setup) -> dict[str, int]:
-        return terms(shape, s, self.overhead, peak(shape, s).total)
+    def terms(self, shape: ModelShape, s: Setup, tensors_peak: Optional[int] = None) -> dict[str, int]:
+        """The overhead terms of `s`; `tensors_peak`: its tensors' peak when the caller has it (else computed)."""
+        tensors = peak(shape, s).total if tensors_peak is None else tensors_peak
+        return terms(shape, s, self.overhead, tensors)
 
-    def reserved(self, shape: ModelShape, s: Setup) -> int:
+    def reserved(self, shape: ModelShape, s: Setup, tensors_peak: Optional[int] = None) -> int:
         """What the process reserves at the step's peak (what nvidia-smi shows)."""
-        tensors = peak(shape, s).total
+        tensors = peak(shape, s).total if tensors_peak is None else tensors_peak
         return tensors + sum(terms(shape, s, self.overhead, tensors).values())
 
     def fits(self, shape: ModelShape, s: Setup) -> bool:

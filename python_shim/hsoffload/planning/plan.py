@@ -331,7 +331,7 @@ def plan(inp: PlanInput) -> PlanResult:
     forward_s = step.parts["forward"] / layers
     hides = transfer_s <= forward_s
     budget = Budget(device_bytes, overhead_of(inp, shape))
-    overhead_terms = budget.terms(shape, setup)
+    overhead_terms = budget.terms(shape, setup, phase.total)
     reserved = phase.total + sum(overhead_terms.values())
     fits = reserved <= device_bytes
     torch_version = inp.torch_version or walls.installed_torch_version()
@@ -413,7 +413,7 @@ def plan(inp: PlanInput) -> PlanResult:
         device_reserved_bytes=reserved,
         overhead=overhead_terms,
         device_peak_bytes_checkpointing=peak_ckpt,
-        device_reserved_bytes_checkpointing=budget.reserved(shape, ckpt_setup),
+        device_reserved_bytes_checkpointing=budget.reserved(shape, ckpt_setup, peak_ckpt),
         device_peak_bytes_no_checkpointing=peak_none,
         peak_phase=phase.name,
         peak_parts=phase.parts,
@@ -680,7 +680,7 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
                 phase, dominant, _ = _peak_summary(shape, at)
                 predicted = timing.step_time(shape, at, device, offloaded_layer_bytes(shape, at), local)
                 row[column] = LongestRun(seq_len=longest, peak_bytes=phase.total, dominant_term=dominant, wall=wall,
-                                         reserved_bytes=budget.reserved(shape, at), step_time_s=predicted.total_s)
+                                         reserved_bytes=budget.reserved(shape, at, phase.total), step_time_s=predicted.total_s)
         rows.append(MaxSeqRow(**row))
     on_host = dataclasses.replace(base, cpu_offload="params")
     return MaxSeqResult(

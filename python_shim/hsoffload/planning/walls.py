@@ -149,10 +149,10 @@ def _first_seq_len(wall: Wall, shape: ModelShape, s: Setup) -> int:
     return hi * step
 
 
-def _hit(w: Wall, shape: ModelShape, s: Setup) -> WallHit:
-    """`w` as `s` meets it: its elements at `s` and the shortest sequence past it."""
+def _hit(w: Wall, shape: ModelShape, s: Setup, first: Optional[int] = None) -> WallHit:
+    """`w` as `s` meets it: its elements at `s` and the shortest sequence past it (`first`, when the caller has it)."""
     return WallHit(name=w.name, consequence=w.consequence, kernel=w.kernel, tensor=w.tensor, limit=w.limit,
-                   elements=w.elements(shape, s), first_seq_len=_first_seq_len(w, shape, s), fix=w.fix,
+                   elements=w.elements(shape, s), first_seq_len=first or _first_seq_len(w, shape, s), fix=w.fix,
                    source=w.source)
 
 
@@ -169,7 +169,7 @@ def first_below(shape: ModelShape, s: Setup, torch_version: Optional[str]) -> Op
     if not firsts:
         return None
     first, wall = min(firsts, key=lambda f: f[0])
-    return _hit(wall, shape, dataclasses.replace(s, seq_len=first))
+    return _hit(wall, shape, dataclasses.replace(s, seq_len=first), first)
 
 
 def _version(text: str) -> tuple[int, ...]:
