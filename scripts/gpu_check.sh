@@ -14,7 +14,7 @@
 # instead of the GPU suite), so it can be smoke-tested: `make test-twin` runs it offline in CI with
 # the GPU machine's versions and requires every step to end ok.
 #
-# Output ($OUT, flat): summary.txt build.log pytest_gpu.log pytest_faults.log sanitizer.log [pytest_cp.log] demo.log demo.png bench.log bench.json
+# Output ($OUT, flat): summary.txt build.log pytest_gpu.log pytest_faults.log sanitizer.log [pytest_cp.log] demo.log demo.png step_time.log step_time.json bench.log bench.json
 # bench.png trace.json trace.json.png (one profiled step: copies against compute per layer)
 set -u
 START=$(date +%s) # before any probe: the budget is the script's whole wall time
@@ -139,6 +139,11 @@ fi
 # 3. Demo (small; on the GPU when there is one).
 run_step demo 90 "$OUT/demo.log" "$PY" -m hsoffload demo --plot "$OUT/demo.png"
 grep -E "bit-identical|peak|freed|offloaded" "$OUT/demo.log" | head -n 12 | sed 's/^/    /' >>"$SUMMARY"
+
+# 3b. The step-time model against measured steps (issue 38): hidden-state offload at layer widths from copies hidden
+# to copies near compute, real copies and kernels; predicted vs measured per point (without CUDA: says so, exits 0).
+run_step step_time 75 "$OUT/step_time.log" "$PY" -m hsoffload.tools.bench.step_time --json "$OUT/step_time.json"
+grep -E "pred/meas|^intermediate|worst|MISS|no CUDA" "$OUT/step_time.log" | head -n 8 | sed 's/^/    /' >>"$SUMMARY"
 
 # 4. Benchmarks: the GPU suite with what is left of the budget, or the CPU suite without CUDA.
 if [[ "$HAS_CUDA" == 1 ]]; then

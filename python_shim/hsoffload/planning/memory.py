@@ -248,6 +248,7 @@ class Setup:
 
     seq_len: int
     micro_batch: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step (the step time; memory does not depend on it)
     dtype_bytes: int = 2
     world_size: int = 1
     fsdp: bool = True  # shard weights, gradients and optimizer states over world_size
@@ -293,7 +294,7 @@ class Setup:
         return self.world_size if self.fsdp and self.world_size > 1 else 1
 
     def check(self, shape: ModelShape) -> None:
-        for name in ("seq_len", "micro_batch", "world_size", "sequence_parallel", "tiled_mlp"):
+        for name in ("seq_len", "micro_batch", "grad_accum", "world_size", "sequence_parallel", "tiled_mlp"):
             if getattr(self, name) < 1:
                 raise PlanError(f"hsoffload plan: --{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.seq_len % self.sequence_parallel:

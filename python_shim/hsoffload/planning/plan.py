@@ -31,7 +31,7 @@ from . import memory as pm
 from . import overhead, timing, walls
 from .overhead import Budget, Overhead
 from .memory import PlanError
-from .shapes import PLAN_FORMAT_VERSION, LongestRun, MaxSeqResult, MaxSeqRow, PlanInput, PlanResult  # noqa: F401
+from .shapes import PLAN_FORMAT_VERSION, Fastest, LongestRun, MaxSeqResult, MaxSeqRow, PlanInput, PlanResult  # noqa: F401
 
 logger = logging.getLogger("hsoffload")
 
@@ -147,7 +147,7 @@ def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
     if policy not in PLAN_POLICIES:
         raise PlanError(f"hsoffload plan: --policy must be one of {', '.join(PLAN_POLICIES)}, got {policy!r}")
     setup = pm.Setup(
-        seq_len=inp.seq_len, micro_batch=inp.micro_batch, dtype_bytes=_DTYPES[inp.dtype], world_size=inp.world_size,
+        seq_len=inp.seq_len, micro_batch=inp.micro_batch, grad_accum=inp.grad_accum, dtype_bytes=_DTYPES[inp.dtype], world_size=inp.world_size,
         fsdp=inp.fsdp, sequence_parallel=inp.sequence_parallel, tiled_mlp=inp.tiled_mlp,
         chunked_loss=inp.chunked_loss, attn=inp.attn, checkpointing=inp.checkpointing,
         offload=policy,  # "all" with checkpointing offloads the checkpoint inputs (what remains saved)
@@ -327,6 +327,7 @@ def plan(inp: PlanInput) -> PlanResult:
     device = device_profile_of(inp)
     step = timing.step_time(shape, setup, device, offloaded_layer_bytes(shape, setup), local)
     step_ckpt = timing.step_time(shape, ckpt_setup, device, [0] * layers, local)
+    step_plain = timing.step_time(shape, dataclasses.replace(setup, offload=None), device, [0] * layers, local)
     transfer_s = layer_input / timing.copy_bandwidth(device, local)
     forward_s = step.parts["forward"] / layers
     hides = transfer_s <= forward_s
@@ -385,6 +386,7 @@ def plan(inp: PlanInput) -> PlanResult:
         seq_len=inp.seq_len,
         tokens_per_rank=tokens,
         micro_batch=inp.micro_batch,
+        grad_accum=inp.grad_accum,
         world_size=inp.world_size,
         local_world_size=local,
         dtype=inp.dtype,
@@ -431,6 +433,7 @@ def plan(inp: PlanInput) -> PlanResult:
         device_profile=device.name,
         step_time_s=step.total_s,
         step_time_s_checkpointing=step_ckpt.total_s,
+        step_time_s_without_offload=step_plain.total_s,
         step_overhead=step.total_s / step_ckpt.total_s - 1,
         step_parts=step.parts,
         verdict=verdict,
@@ -562,9 +565,13 @@ def format_plan(p: PlanResult) -> str:
         ("per layer:", None),
         (f"copy of what it holds for backward ({g(p.layer_input_bytes)})", ms(p.transfer_s_per_layer)),
         ("forward compute (estimate)", ms(p.forward_s_per_layer)),
-        (f"per step ({p.device_profile}; hsoffload.planning.timing):", None),
+        (f"per step ({p.device_profile}"
+         + (f", {p.grad_accum} micro-batches per optimizer step" if p.grad_accum > 1 else "")
+         + "; hsoffload.planning.timing):", None),
         ("with hsoffload", f"{p.step_time_s:,.3f} s ({p.step_overhead:+.1%} against checkpointing only)"),
         ("checkpointing only", f"{p.step_time_s_checkpointing:,.3f} s"),
+        *([("without checkpointing or hsoffload", f"{p.step_time_s_without_offload:,.3f} s")]
+          if not p.checkpointing and p.step_time_s_without_offload is not None else []),
         ("of which copies not hidden by compute",
          ms(p.step_parts.get("exposed_d2h", 0.0) + p.step_parts.get("exposed_h2d", 0.0))),
     ]
@@ -634,9 +641,10 @@ def _longest(shape: pm.ModelShape, s: pm.Setup, budget: Budget, step: int, auto_
     return lo * step
 
 
-def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
+def max_seq(inp: PlanInput, step: int = 1024, target: Optional[int] = None) -> MaxSeqResult:
     """The longest sequence (a multiple of `step`, and of the parallel degree) that fits the device, for checkpointing
-    alone and hsoffload, with each knob combination that matters."""
+    alone and hsoffload, with each knob combination that matters; and the fastest of them at `target` tokens (default:
+    the longest any of them fits)."""
     shape = model_shape(inp.config)
     base = setup_of(dataclasses.replace(inp, seq_len=math.lcm(step, inp.sequence_parallel)), shape)
     device_bytes = inp.device_bytes if inp.device_bytes is not None else default_device_bytes()
@@ -657,12 +665,14 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
     budget = Budget(device_bytes, overhead_of(inp, shape))
     device = device_profile_of(inp)
     rows = []
+    setups: dict[tuple[str, str], tuple[pm.Setup, bool]] = {}  # (row, column): its setup, and whether it auto-tiles
     for label, change in combos:
         row: dict[str, Any] = {"knobs": label}
         for column, over in (("checkpointing", {"checkpointing": True, "offload": None}),
                              ("hsoffload", {"checkpointing": True, "offload": base.offload if base.checkpointing
                                             else options.default("policy").value})):
             s = dataclasses.replace(base, **{**change, **over})
+            setups[(label, column)] = (s, change.get("tiled_mlp") == 0)
             unit = math.lcm(step, s.sequence_parallel)
             # A kernel's wall stops the search below it (past it the run does not run); it is what stopped the
             # search when the longest length found is the last multiple of `unit` before it.
@@ -683,6 +693,7 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
                                          reserved_bytes=budget.reserved(shape, at, phase.total), step_time_s=predicted.total_s)
         rows.append(MaxSeqRow(**row))
     on_host = dataclasses.replace(base, cpu_offload="params")
+    fastest = _fastest(shape, rows, setups, device, local, target)
     return MaxSeqResult(
         model_type=shape.model_type, device_bytes=device_bytes, world_size=inp.world_size,
         model_states_device_bytes=pm.model_states_device_bytes(shape, base),
@@ -692,8 +703,30 @@ def max_seq(inp: PlanInput, step: int = 1024) -> MaxSeqResult:
         sequence_parallel_kind=base.sequence_parallel_kind,
         micro_batch=inp.micro_batch, dtype=inp.dtype, attn=base.attn, policy=base.offload,
         host_ram_bytes=inp.host_ram_bytes, step=step, rows=rows, torch_version=torch_version,
-        device_profile=device.name,
+        device_profile=device.name, fastest=fastest,
     )
+
+
+def _fastest(shape: pm.ModelShape, rows: list[MaxSeqRow], setups: dict[tuple[str, str], tuple[pm.Setup, bool]],
+             device: timing.DeviceProfile, local: int, target: Optional[int]) -> Optional[Fastest]:
+    """Among the cells whose longest run reaches `target` tokens (default: the longest any reaches), the one of most
+    tokens per second per rank at `target` (sequence parallelism splits a sequence over ranks: its step is shorter
+    but each rank trains fewer tokens); the simpler combination (earlier row, checkpointing alone first) on a tie."""
+    runs = [(row.knobs, col, getattr(row, col).seq_len) for row in rows for col in ("checkpointing", "hsoffload")]
+    seq = target if target is not None else max((n for _, _, n in runs), default=0)
+    best: Optional[Fastest] = None
+    for knobs, col, longest in runs:
+        if not longest or longest < seq:
+            continue
+        s, auto_tiles = setups[(knobs, col)]
+        if seq % s.sequence_parallel:
+            continue
+        at = dataclasses.replace(s, seq_len=seq, tiled_mlp=_auto_tiles(shape, s, seq) if auto_tiles else s.tiled_mlp)
+        t = timing.step_time(shape, at, device, offloaded_layer_bytes(shape, at), local).total_s
+        rate = at.tokens * at.grad_accum / t
+        if best is None or rate > best.tokens_per_s * (1 + 1e-9):
+            best = Fastest(seq_len=seq, knobs=knobs, column=col, step_time_s=t, tokens_per_s=rate)
+    return best
 
 
 def _auto_tiles(shape: pm.ModelShape, s: pm.Setup, seq: int) -> int:
@@ -729,6 +762,11 @@ def format_max_seq(r: MaxSeqResult) -> str:
         host = f"{row.hsoffload_host_limit:,}" if with_host and row.hsoffload_host_limit else "none fits"
         lines.append(f"  {row.knobs:<{width}}{cell(row, 'checkpointing'):<{col}}"
                      + (f"{cell(row, 'hsoffload'):<{col}}{host}" if with_host else cell(row, "hsoffload")))
+    if r.fastest is not None:
+        f = r.fastest
+        lines.append(f"  fastest at {f.seq_len:,} tokens: {f.knobs}, "
+                     f"{'checkpointing only' if f.column == 'checkpointing' else hs_title}: {f.step_time_s:,.2f} s/step "
+                     f"({f.tokens_per_s:,.0f} tokens/s per rank, device profile {r.device_profile})")
     stopped = {run.wall.name: run.wall for row in r.rows for run in (row.checkpointing, row.hsoffload) if run.wall}
     for wall in stopped.values():
         lines.append(f"  wall {wall.name}: {wall.sentence()} (source: {wall.source})")

@@ -29,6 +29,7 @@ class PlanInput:
     config: str
     seq_len: int
     micro_batch: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step: the step time covers them all and one optimizer step
     world_size: int = 1
     local_world_size: Optional[int] = None  # default: min(world_size, 8)
     dtype: str = "bfloat16"
@@ -179,6 +180,8 @@ class PlanResult:
     advice: str
     torch_version: Optional[str]  # the torch the walls were read for (None: none installed nor given)
     walls: list[WallHit]  # the kernels' walls this run meets (hsoffload.planning.walls), the silently wrong first
+    grad_accum: int = 1  # micro-batches per optimizer step: the step times cover them all
+    step_time_s_without_offload: Optional[float] = None  # the same step, checkpointing as given, without hsoffload
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": PLAN_FORMAT_VERSION, **dataclasses.asdict(self)}
@@ -194,6 +197,18 @@ class LongestRun:
     wall: Optional[WallHit] = None  # the wall that stopped it below the memory limit, if one did
     reserved_bytes: Optional[int] = None  # the peak plus the process's overhead (what must fit the device)
     step_time_s: Optional[float] = None  # one step at that length (hsoffload.planning.timing)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fastest:
+    """The fastest way of running one length among the table's combinations that fit it: the most tokens per second
+    per rank."""
+
+    seq_len: int  # the length compared at: --seq-len given with --max-seq, else the longest any combination fits
+    knobs: str  # the row
+    column: str  # "checkpointing" or "hsoffload"
+    step_time_s: float
+    tokens_per_s: float  # per rank: micro-batches x length / sequence-parallel degree / step time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +241,7 @@ class MaxSeqResult:
     rows: list[MaxSeqRow]
     torch_version: Optional[str]  # the torch the walls were read for
     device_profile: str  # the profile the step times are for
+    fastest: Optional[Fastest] = None  # None: no combination fits (or none fits the length asked)
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": PLAN_FORMAT_VERSION, **dataclasses.asdict(self)}

@@ -4,11 +4,16 @@ on the host. Predicts the step of one micro-batch per rank; the same model for e
 
 The model, per rank (times in seconds):
 - forward of a layer: 2 x active parameters x tokens + attention (causal: 2 x tokens x keys x q width) FLOPs at the
-  profile's sustained rate; recompute (checkpointing) is one forward again, backward two forwards;
-- the offload's copies are a two-stage pipeline beside compute: in forward, layer i's input copies to the host while
-  layer i+1 computes; in backward the restore of a layer runs `prefetch_depth` layers ahead. A pipeline of L layers
-  with per-layer compute c and copy x takes max(L c, L x) + min(c, x) (the first copy, or the last, is not hidden);
-  the exposed copy time is that minus L c;
+  profile's sustained rate; recompute (checkpointing) is one forward again; backward two forwards of the
+  projections, and of attention 2.5 with a fused (flash) kernel, which recomputes the scores
+  (`attention_backward_factor`);
+- gradient accumulation: a step is `grad_accum` micro-batches (each with its copies and collectives) and one
+  optimizer step;
+- the offload's copies run on side streams beside compute: in forward, layer i's input copies to the host while
+  layers i, i+1, ... compute, and the last copy must end before backward's first restore (the head's forward and
+  backward hide what outlasts the layers: `exposed_d2h`); in backward the restore of a layer runs `prefetch_depth`
+  layers ahead, a two-stage pipeline: L layers of compute c (recompute and backward) beside copies x take
+  max(L c, L x) + min(c, x) (the first restore is waited for); the exposed copy time is that minus L c;
 - the copy bandwidth per rank is the profile's host link, or the node's host memory bandwidth shared by its ranks
   when that is less;
 - collectives: FSDP's per-layer all-gather (forward, recompute) and reduce-scatter (backward) overlap compute (FSDP
@@ -137,6 +142,25 @@ def _pipeline(layers: int, compute: float, copy: float) -> float:
     return max(layers * compute, layers * copy) + min(compute, copy) - layers * compute
 
 
+def attention_backward_factor(attn: str) -> float:
+    """Attention's backward FLOPs over its forward's. A fused (flash) kernel keeps no score matrix: its backward
+    recomputes QK^T and runs four more matmuls (dV, dP, dQ, dK), 5 against the forward's 2 (FlashAttention-2, Dao
+    2023, section 3.1); the math and eager paths keep the probabilities, and their backward is the usual two matmuls
+    per forward matmul."""
+    return 2.5 if attn in ("sdpa", "flash") else 2.0
+
+
+def exposed_d2h(offloaded: int, layers: int, layer_forward: float, per_copy: float, head: float) -> float:
+    """The forward's copies to the host that compute does not hide. Layer i's input starts copying when layer i
+    starts, one copy after another on the side stream, so the last of `offloaded` copies (the first layers') ends at
+    max(n x, (n - 1) c + x); backward's first restore waits for it, and until then the layers' forward and the head's
+    forward and backward run."""
+    if offloaded <= 0 or per_copy <= 0:
+        return 0.0
+    last_copy_done = max(offloaded * per_copy, (offloaded - 1) * layer_forward + per_copy)
+    return max(0.0, last_copy_done - layers * layer_forward - head)
+
+
 def step_time(shape: ModelShape, s: Setup, p: DeviceProfile, offloaded_layer_bytes: list[int],
               local_world_size: int) -> StepTime:
     """The predicted step of `s` on profile `p`; `offloaded_layer_bytes[i]`: what layer i copies to the host and back
@@ -147,24 +171,25 @@ def step_time(shape: ModelShape, s: Setup, p: DeviceProfile, offloaded_layer_byt
     # Each rank's share of attention is its tokens against the whole sequence's keys (Ulysses: all tokens, 1/D of
     # the heads; ring: its queries, every key over the passes). Causal: half of QK^T's and AV's 2 x 2 x t x k x d.
     attention = 2 * tokens * s.seq_len * q_width
-    forward = [(2 * _active_layer_parameters(shape, is_moe_layer(shape, i)) * tokens + attention) / rate
-               for i in range(shape.layers)]
+    linear = [2 * _active_layer_parameters(shape, is_moe_layer(shape, i)) * tokens / rate for i in range(shape.layers)]
+    forward = [f + attention / rate for f in linear]
     fwd = sum(forward)
     recompute = fwd if s.checkpointing else 0.0
-    backward = 2 * fwd
+    backward = 2 * sum(linear) + attention_backward_factor(s.attn) * shape.layers * attention / rate
     head = 3 * 2 * shape.hidden * shape.vocab * tokens / rate  # forward and its two backward matmuls
     parts: dict[str, float] = {"forward": fwd, "recompute": recompute, "backward": backward, "head": head}
 
     link = copy_bandwidth(p, local_world_size)
     moved = [b for b in offloaded_layer_bytes if b]
     if moved:
-        per_copy = sum(moved) / len(moved) / link
+        n = len(moved)
+        per_copy = sum(moved) / n / link
         layer_fwd = fwd / shape.layers
         layer_bwd = (recompute + backward) / shape.layers
+        parts["exposed_d2h"] = exposed_d2h(n, shape.layers, layer_fwd, per_copy, head)
         # Prefetching `prefetch_depth` layers ahead absorbs jitter; it cannot raise the copies' throughput: a copy
-        # slower than its layer's compute shows in either direction, whatever the depth.
-        parts["exposed_d2h"] = _pipeline(len(moved), layer_fwd, per_copy)
-        parts["exposed_h2d"] = _pipeline(len(moved), layer_bwd, per_copy)
+        # slower than its layer's compute shows, whatever the depth.
+        parts["exposed_h2d"] = _pipeline(n, layer_bwd, per_copy)
 
     # Collectives.
     nodes = max(1, s.world_size // max(1, local_world_size))
@@ -198,4 +223,6 @@ def step_time(shape: ModelShape, s: Setup, p: DeviceProfile, offloaded_layer_byt
         parts["optimizer_on_host"] = params / p.host_adam_params_per_s + transfers
     else:
         parts["optimizer"] = 2 * states / (p.hbm_gbps * GB)  # read and write every state once
+    if s.grad_accum > 1:  # every micro-batch runs the layers, copies and collectives; the optimizer steps once
+        parts = {k: v if k.startswith("optimizer") else v * s.grad_accum for k, v in parts.items()}
     return StepTime(total_s=sum(parts.values()), parts=parts)

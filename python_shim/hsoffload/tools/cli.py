@@ -86,9 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="before launch: a run's device peak and host/spill bytes, from a config.json alone")
     pl.add_argument("config", nargs="?", default=None, help="a transformers config.json, or a directory holding one (no weights needed)")
     pl.add_argument("--input", default=None, metavar="FILE", help="a JSON or YAML file of hsoffload.plan.PlanInput's fields (config relative to the file); flags given beside it override it")
-    pl.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (required unless --max-seq)")
+    pl.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (required unless --max-seq; with --max-seq: the length the fastest combination is picked for)")
     pl.add_argument("--max-seq", action="store_true", help="instead: the longest sequence that fits the device, as one table (checkpointing only vs hsoffload, per knob combination)")
     pl.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and step (default 1)")
+    pl.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step: the step time covers them all (default 1)")
     pl.add_argument("--world-size", type=int, default=1, help="ranks in all (default 1: nothing sharded)")
     pl.add_argument("--local-world-size", type=int, default=None, help="ranks per node (default: min(world size, 8))")
     pl.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
@@ -176,7 +177,7 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError("a config.json (or --input FILE) is required")
         if args.seq_len is None and not args.max_seq and args.input is None:
             raise UsageError("--seq-len is required (or --max-seq)")
-        for name in ("seq_len", "micro_batch", "world_size", "sequence_parallel", "tiled_mlp"):
+        for name in ("seq_len", "micro_batch", "grad_accum", "world_size", "sequence_parallel", "tiled_mlp"):
             _at_least(args, name, 1)
         if args.local_world_size is not None:
             _at_least(args, "local_world_size", 1)
@@ -269,7 +270,7 @@ def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 2
     try:
         if args.max_seq:
-            result = plan.max_seq(inp)
+            result = plan.max_seq(inp, target=args.seq_len)
             text = plan.format_max_seq(result)
         else:
             result = plan.plan(inp)

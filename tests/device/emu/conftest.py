@@ -23,9 +23,10 @@ DEFAULT_DELAY_US = 300
 
 @pytest.fixture(autouse=True)
 def _emu_hygiene():
-    """Every test starts with the default delays on stream 0 and must leave no failed queued job behind."""
+    """Every test starts with the default delays, unlimited copy rates, on stream 0 and must leave no failed queued job behind."""
     errors_before = hsemu.stats()["job_errors"]
     hsemu.set_copy_delay(DEFAULT_DELAY_US, DEFAULT_DELAY_US, DEFAULT_DELAY_US)
+    hsemu.set_copy_rate(0, 0, 0)
     torch.ops.hsemu.set_stream(0)
     yield
     hsemu.synchronize()

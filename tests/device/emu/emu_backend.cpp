@@ -275,7 +275,7 @@ at::Tensor emu_copy_from(const at::Tensor& self, const at::Tensor& dst, bool non
   const bool pinned = host_base != nullptr && is_pinned(host_base);
   const bool async = kind == CopyKind::kDeviceToDevice || (non_blocking && pinned);
   const c10::StreamId stream = current_stream();
-  const int64_t delay = copy_delay_us(kind);
+  const int64_t delay = copy_sleep_us(kind, static_cast<int64_t>(dst.nbytes()));
   Geometry src = geometry_of(self);
   Geometry out = geometry_of(dst);
   const uint64_t ticket = enqueue(stream, [src = std::move(src), out = std::move(out), delay] {
@@ -484,6 +484,17 @@ void op_set_copy_delay(int64_t h2d_us, int64_t d2h_us, int64_t d2d_us) {
   set_copy_delay_us(CopyKind::kDeviceToDevice, d2d_us);
 }
 
+void op_set_copy_rate(int64_t h2d, int64_t d2h, int64_t d2d) {
+  set_copy_rate_bytes_per_s(CopyKind::kHostToDevice, h2d);
+  set_copy_rate_bytes_per_s(CopyKind::kDeviceToHost, d2h);
+  set_copy_rate_bytes_per_s(CopyKind::kDeviceToDevice, d2d);
+}
+
+std::vector<int64_t> op_copy_rate() {
+  return {copy_rate_bytes_per_s(CopyKind::kHostToDevice), copy_rate_bytes_per_s(CopyKind::kDeviceToHost),
+          copy_rate_bytes_per_s(CopyKind::kDeviceToDevice)};
+}
+
 std::vector<int64_t> op_copy_delay() {
   return {copy_delay_us(CopyKind::kHostToDevice), copy_delay_us(CopyKind::kDeviceToHost),
           copy_delay_us(CopyKind::kDeviceToDevice)};
@@ -535,6 +546,11 @@ TORCH_LIBRARY(hsemu, m) {
   m.def("set_copy_delay(int h2d_us, int d2h_us, int d2d_us) -> ()", &hsemu::op_set_copy_delay);
   // The three delays, in that order.
   m.def("copy_delay() -> int[]", &hsemu::op_copy_delay);
+  // Bytes per second each queued copy of that kind moves (0: unlimited): a copy of n bytes sleeps its delay plus
+  // n / rate, so copy time is proportional to bytes (the step-time model's bandwidth knob).
+  m.def("set_copy_rate(int h2d_bytes_per_s, int d2h_bytes_per_s, int d2d_bytes_per_s) -> ()", &hsemu::op_set_copy_rate);
+  // The three rates, in that order.
+  m.def("copy_rate() -> int[]", &hsemu::op_copy_rate);
   // Queues a sleep on the current stream: the stream lags the host (like torch.cuda._sleep).
   m.def("sleep(int us) -> ()", &hsemu::op_sleep);
   // The calling thread's current stream id, and switching it.

@@ -138,6 +138,13 @@ std::atomic<int64_t>* delays() {
   return d;
 }
 
+// Process-wide like the delays: the emulated bus every stream's copies share; atomics, set by the test thread and
+// read by whichever thread queues a copy.
+std::atomic<int64_t>* rates() {
+  static std::atomic<int64_t> r[3] = {0, 0, 0};
+  return r;
+}
+
 // ---- device allocator -------------------------------------------------------------
 
 struct Block {
@@ -467,6 +474,17 @@ int64_t copy_delay_us(CopyKind kind) { return delays()[static_cast<int>(kind)].l
 void set_copy_delay_us(CopyKind kind, int64_t us) {
   TORCH_CHECK_VALUE(us >= 0, "hsemu: a copy delay must be >= 0 microseconds, got ", us);
   delays()[static_cast<int>(kind)].store(us);
+}
+int64_t copy_rate_bytes_per_s(CopyKind kind) { return rates()[static_cast<int>(kind)].load(); }
+void set_copy_rate_bytes_per_s(CopyKind kind, int64_t bytes_per_s) {
+  TORCH_CHECK_VALUE(bytes_per_s >= 0, "hsemu: a copy rate must be >= 0 bytes/s (0: unlimited), got ", bytes_per_s);
+  rates()[static_cast<int>(kind)].store(bytes_per_s);
+}
+int64_t copy_sleep_us(CopyKind kind, int64_t nbytes) {
+  const int64_t rate = copy_rate_bytes_per_s(kind);
+  const int64_t by_rate = rate > 0 ? static_cast<int64_t>(static_cast<double>(nbytes) * 1e6 / static_cast<double>(rate))
+                                   : 0;
+  return copy_delay_us(kind) + by_rate;
 }
 
 c10::Allocator* device_allocator() { return &device_allocator_impl(); }

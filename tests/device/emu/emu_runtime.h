@@ -110,6 +110,12 @@ enum class CopyKind { kHostToDevice = 0, kDeviceToHost = 1, kDeviceToDevice = 2 
 // Initialised from HSOFFLOAD_EMU_COPY_DELAY_US (all kinds).
 int64_t copy_delay_us(CopyKind kind);
 void set_copy_delay_us(CopyKind kind, int64_t us);
+// Bytes per second a queued copy of that kind moves (0: unlimited). A copy of n bytes then takes its delay plus
+// n / rate: copy time proportional to bytes, as on a bus (the step-time model's validation sweeps it).
+int64_t copy_rate_bytes_per_s(CopyKind kind);
+void set_copy_rate_bytes_per_s(CopyKind kind, int64_t bytes_per_s);
+// Microseconds a copy of `nbytes` of that kind sleeps: the delay plus the bytes at the rate.
+int64_t copy_sleep_us(CopyKind kind, int64_t nbytes);
 
 // ---- allocators ----------------------------------------------------------------
 

@@ -111,6 +111,22 @@ def copy_delay(h2d_us: int = 0, d2h_us: int = 0, d2d_us: int = 0) -> Iterator[No
         set_copy_delay(*before)
 
 
+def set_copy_rate(h2d_bytes_per_s: int, d2h_bytes_per_s: int, d2d_bytes_per_s: int) -> None:
+    torch.ops.hsemu.set_copy_rate(h2d_bytes_per_s, d2h_bytes_per_s, d2d_bytes_per_s)
+
+
+@contextlib.contextmanager
+def copy_rate(h2d_bytes_per_s: int = 0, d2h_bytes_per_s: int = 0, d2d_bytes_per_s: int = 0) -> Iterator[None]:
+    """Inside the block a queued copy of n bytes also sleeps n / rate (0: unlimited): copy time proportional to
+    bytes, as on a bus of that bandwidth."""
+    before = list(torch.ops.hsemu.copy_rate())
+    set_copy_rate(h2d_bytes_per_s, d2h_bytes_per_s, d2d_bytes_per_s)
+    try:
+        yield
+    finally:
+        set_copy_rate(*before)
+
+
 @contextlib.contextmanager
 def stream(stream_id: int) -> Iterator[None]:
     """Makes `stream_id` the current stream of this thread inside the block."""

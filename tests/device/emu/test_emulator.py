@@ -8,7 +8,9 @@ them, freed memory is poisoned and reused at once unless record_stream says othe
 from __future__ import annotations
 
 import threading
+import time
 
+import pytest
 import torch
 
 import hsemu
@@ -45,6 +47,29 @@ def test_copy_to_pageable_host_waits(dev):
     with hsemu.copy_delay(d2h_us=DELAY):
         host.copy_(src, non_blocking=True)  # pageable: synchronous, as on CUDA
         assert torch.equal(host, torch.ones(1024))
+
+
+def test_copy_rate_makes_copy_time_proportional_to_bytes(dev):
+    """The bandwidth knob: at 100 MB/s a copy of 4 MB sleeps 40 ms and one of 1 MB 10 ms (sleeps are lower bounds,
+    so the test checks each copy took at least its bytes' time and the large one took longer than the small)."""
+    rate = 100_000_000
+    taken = {}
+    with hsemu.copy_delay(), hsemu.copy_rate(d2h_bytes_per_s=rate):
+        assert list(torch.ops.hsemu.copy_rate()) == [0, rate, 0]
+        for numel in (250_000, 1_000_000):  # float32: 1 MB, 4 MB
+            src = torch.ones(numel, device=dev)
+            host = torch.empty(numel).pin_memory()
+            hsemu.synchronize()
+            t0 = time.perf_counter()
+            host.copy_(src, non_blocking=True)
+            hsemu.synchronize()
+            taken[numel] = time.perf_counter() - t0
+            assert torch.equal(host, torch.ones(numel))
+    assert list(torch.ops.hsemu.copy_rate()) == [0, 0, 0], "the block restores the rates"
+    assert taken[250_000] >= 0.010 and taken[1_000_000] >= 0.040, taken
+    assert taken[1_000_000] > taken[250_000], taken
+    with pytest.raises(ValueError, match="copy rate must be >= 0"):
+        hsemu.set_copy_rate(-1, 0, 0)
 
 
 def test_streams_are_unordered_without_an_event_and_ordered_with_one(dev):
