@@ -110,6 +110,9 @@ def test_max_seq_rows_carry_their_step_time() -> None:
     r = plan.max_seq(plan.PlanInput(config=LLAMA_8B, seq_len=1, world_size=8, device_bytes=80 << 30))
     runs = [run for row in r.rows for run in (row.checkpointing, row.hsoffload) if run.seq_len]
     assert runs and all(run.step_time_s and run.step_time_s > 0 for run in runs)
+    # Every cell carries its copies' overhead: none without hsoffload, hidden copies (a fraction of a percent) with.
+    assert all(row.checkpointing.step_overhead == 0 for row in r.rows if row.checkpointing.seq_len)
+    assert all(0 < row.hsoffload.step_overhead < 0.01 for row in r.rows if row.hsoffload.seq_len)
     assert r.device_profile == "h100-sxm"
 
 

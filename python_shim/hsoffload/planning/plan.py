@@ -688,9 +688,11 @@ def max_seq(inp: PlanInput, step: int = 1024, target: Optional[int] = None) -> M
                 at = dataclasses.replace(s, seq_len=longest, tiled_mlp=_auto_tiles(shape, s, longest)
                                          if change.get("tiled_mlp") == 0 else s.tiled_mlp)
                 phase, dominant, _ = _peak_summary(shape, at)
-                predicted = timing.step_time(shape, at, device, offloaded_layer_bytes(shape, at), local)
+                predicted = timing.step_time(shape, at, device, offloaded_layer_bytes(shape, at), local).total_s
+                plain = timing.step_time(shape, at, device, [0] * shape.layers, local).total_s
                 row[column] = LongestRun(seq_len=longest, peak_bytes=phase.total, dominant_term=dominant, wall=wall,
-                                         reserved_bytes=budget.reserved(shape, at, phase.total), step_time_s=predicted.total_s)
+                                         reserved_bytes=budget.reserved(shape, at, phase.total), step_time_s=predicted,
+                                         step_overhead=predicted / plain - 1)
         rows.append(MaxSeqRow(**row))
     on_host = dataclasses.replace(base, cpu_offload="params")
     fastest = _fastest(shape, rows, setups, device, local, target)
@@ -741,7 +743,8 @@ def format_max_seq(r: MaxSeqResult) -> str:
             return "none fits"
         stop = f"; wall: {run.wall.name}" if run.wall else ""
         return (f"{run.seq_len:,} ({run.reserved_bytes / _GIB:,.1f} GiB reserved, {run.peak_bytes / _GIB:,.1f} "
-                f"tensors, {run.dominant_term}{stop}; {run.step_time_s:,.1f} s/step)")
+                f"tensors, {run.dominant_term}{stop}; {run.step_time_s:,.1f} s/step"
+                + (f", {run.step_overhead:+.1%} copies" if col == "hsoffload" else "") + ")")
 
     given = "".join([f", experts {r.experts_implementation}" if r.experts_implementation else "",
                      f", {r.fused_kernels} kernels" if r.fused_kernels != "none" else "",

@@ -197,6 +197,7 @@ class LongestRun:
     wall: Optional[WallHit] = None  # the wall that stopped it below the memory limit, if one did
     reserved_bytes: Optional[int] = None  # the peak plus the process's overhead (what must fit the device)
     step_time_s: Optional[float] = None  # one step at that length (hsoffload.planning.timing)
+    step_overhead: Optional[float] = None  # that step over the same without hsoffload's copies, minus 1
 
 
 @dataclasses.dataclass(frozen=True)
