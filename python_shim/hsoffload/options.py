@@ -39,6 +39,7 @@ class PolicyName(str, Enum):
     HIDDEN_STATES = "hidden_states"
     SAC = "sac"
     ALL = "all"
+    AUTO = "auto"
 
     def __str__(self) -> str:
         return self.value
@@ -46,12 +47,18 @@ class PolicyName(str, Enum):
     @property
     def marks_layer_inputs(self) -> bool:
         """The patch marks each checkpointed decoder layer's hidden_states (and checkpointing is expected)."""
-        return self in (PolicyName.HIDDEN_STATES, PolicyName.SAC)
+        return self in (PolicyName.HIDDEN_STATES, PolicyName.SAC, PolicyName.AUTO)
+
+    @property
+    def chooses_per_layer(self) -> bool:
+        """Per decoder layer, measured: no checkpointing, its input kept, or offloaded (hsoffload.offload.auto)."""
+        return self is PolicyName.AUTO
 
     @property
     def picks_saved_tensors(self) -> bool:
-        """The pack hook chooses among saved tensors (a selector runs per save): every policy but hidden_states."""
-        return self is not PolicyName.HIDDEN_STATES
+        """The pack hook chooses among saved tensors (a selector runs per save): every policy but hidden_states (and
+        auto, which applies hidden_states to the layers it offloads)."""
+        return self not in (PolicyName.HIDDEN_STATES, PolicyName.AUTO)
 
     @property
     def offloads_every_save(self) -> bool:
@@ -127,7 +134,13 @@ OPTIONS: tuple[Option, ...] = (
            "budget", nullable=True,
            env="HSOFFLOAD_MAX_HOST_BYTES"),
     Option("policy", POLICY, PolicyName.HIDDEN_STATES, "what is offloaded: hidden_states, sac (plus what selective "
-           "checkpointing keeps) or all (every saved activation; no checkpointing needed)", plan_flag="--policy"),
+           "checkpointing keeps), all (every saved activation; no checkpointing needed) or auto (per layer, measured: "
+           "no checkpointing, input kept or offloaded, the fastest step under device_budget)", plan_flag="--policy"),
+    Option("device_budget", BYTES, None, "policy auto: the device bytes a step may peak at (null: the device's "
+           "memory less 5 %)", nullable=True),
+    Option("auto_calibration_steps", INT, 2, "policy auto: steps run with every layer offloaded, measuring, before "
+           "the first decision", minimum=1, maximum=100),
+    Option("auto_report_only", BOOL, False, "policy auto: decide and log, but keep every layer offloaded"),
     Option("keep_last_layers", INT, 0, "the last k decoder layers keep their tensors on the device", minimum=0,
            plan_flag="--keep-last-layers"),
     Option("offload_fraction", FLOAT, 1.0, "share of the other decoder layers (the first ones) that offload",

@@ -40,7 +40,7 @@ from ..classpatch import PATCH_ATTR, ClassPatch
 from .config import OffloadConfig
 from .current import current_scope
 from .diagnostics import check_model
-from .policy import marks_layer_inputs
+from .policy import chooses_per_layer, marks_layer_inputs
 from .scope import OffloadScope
 from ..targets import (
     LAYER_ATTR,
@@ -205,6 +205,11 @@ def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callabl
         scope = current_scope()
         if scope is None:
             return previous(self, *args, **kwargs)
+        if scope.auto is not None:  # policy auto: a step starts at the first layer; this layer's choice is set
+            scope.auto.before_layer(scope, self, args, kwargs, previous)
+        elif chooses_per_layer(scope.config.policy):
+            raise RuntimeError("hsoffload: policy auto needs the model: hsoffload.offload_hidden_states(model, "
+                               "policy='auto', ...) or scope.bind_model(model) before the first step")
         visit = None
         try:
             # `layer.compile()` traces Module.__call__'s body (forward, the checkpoint function): a mark there would be

@@ -47,6 +47,11 @@ def marks_layer_inputs(policy: Policy) -> bool:
     return not callable(policy) and PolicyName.parse(policy).marks_layer_inputs
 
 
+def chooses_per_layer(policy: Policy) -> bool:
+    """Policy auto: per decoder layer, measured, no checkpointing, the input kept, or offloaded."""
+    return not callable(policy) and PolicyName.parse(policy).chooses_per_layer
+
+
 def picks_saved_tensors(policy: Policy) -> bool:
     """The pack hook chooses among saved tensors (a Selector runs): callables and every named policy but one."""
     return callable(policy) or PolicyName.parse(policy).picks_saved_tensors

@@ -27,7 +27,7 @@ from .autograd_tasks import GraphTaskWatch
 from .host import apply_host_budget, budget_stats, reserve_host
 from .layers import LayerStats, LayerTracker, reset_head_state_on_forward
 from .passthrough import BackwardSave, PassthroughCounters, PassthroughStats, in_backward
-from .policy import Selector, picks_saved_tensors, policy_name, track_module_names
+from .policy import Selector, chooses_per_layer, picks_saved_tensors, policy_name, track_module_names
 from . import sac
 from .sac import SacHandle, pack_sac_value, take_pending
 from ..stats import OffloadStats, SpillStats, from_engine
@@ -98,6 +98,8 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         engine = self._scope
         plain = (torch.Tensor, torch.nn.Parameter)
         self.layer_tracker = LayerTracker(engine, c.keep_last_layers, float(c.offload_fraction))
+        # policy "auto": the bound model's controller (hsoffload.offload.auto), set by bind_model
+        self.auto: Optional[Any] = None
         # Log the per-layer line (once per process) after the first entry that ran decoder layers; integrations that
         # print their own line set it to False.
         self.report_layers = True
@@ -173,6 +175,13 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             GradientCheckpointingLayer = None
         if GradientCheckpointingLayer is not None:
             self.layer_tracker.bind(model, GradientCheckpointingLayer)
+            if chooses_per_layer(self.config.policy):
+                from . import auto  # noqa: PLC0415  (policy auto only)
+
+                if self.auto is not None and self.auto is not auto.controller(model):
+                    raise ValueError("hsoffload: policy auto serves one model per scope; this scope already serves "
+                                     "another")
+                self.auto = auto.controller_for(model, GradientCheckpointingLayer, self.config)
         self._bound_models.add(model)
         if self.active:
             self._refresh_parameter_storages()  # otherwise the next entry reads them
@@ -277,6 +286,8 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 f"hsoffload: exiting offload scope #{self.id} while scope #{inner.id}, entered after it on this "
                 "thread, is still active; exit scopes in the reverse order of entering them (innermost first)"
             )
+        if self.auto is not None:
+            self.auto.restore()  # the layers' own gradient_checkpointing flags, until the next entry applies auto's
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
@@ -387,6 +398,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             and stats.marked_tensors == 0
             and not _warned_unmarked.is_set()
             and not diagnostics.bypass_reported()  # the reason logged says what to do instead
+            and not (self.auto is not None and self.auto.offloads_none())  # policy auto chose to offload no layer
         ):
             _warned_unmarked.set()
             logger.warning(

@@ -68,7 +68,7 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash", "math", "eager")
 OPTIMIZERS: dict[str, Optional[int]] = {"adamw": 8, "adam": 8, "adamw_master": 12, "adamw_param_dtype": None,
                                         "adamw8bit": 2, "sgd": 0,
                                         "sgd_momentum": 4}
-OFFLOAD_POLICIES = tuple(p.value for p in PolicyName)
+OFFLOAD_POLICIES = tuple(p.value for p in PolicyName if not p.chooses_per_layer)  # the memory model's
 # Model states on the host: "optimizer" (optimizer states, float32 master weights and float32 gradients there, the
 # step on the CPU: ZeRO-Offload's offload_optimizer), "params" (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3
 # offload_param; the device holds only the layers gathered for compute).

@@ -80,6 +80,18 @@ def _device_module() -> types.ModuleType:
     mod.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]  # type: ignore[attr-defined]
     mod.synchronize = lambda device=None: synchronize()  # type: ignore[attr-defined]
     mod.is_current_stream_capturing = lambda: bool(torch.ops.hsemu.is_current_stream_capturing())  # type: ignore[attr-defined]
+    # Memory queries under torch.cuda's names (what hsoffload's policy "auto" reads of a device).
+    mod.memory_allocated = lambda device=None: stats()["allocated_bytes"]  # type: ignore[attr-defined]
+    mod.max_memory_allocated = lambda device=None: stats()["peak_allocated_bytes"]  # type: ignore[attr-defined]
+    mod.reset_peak_memory_stats = lambda device=None: reset_peak()  # type: ignore[attr-defined]
+
+    def mem_get_info(device: object = None) -> tuple[int, int]:
+        total = int(torch.ops.hsemu.device_capacity())
+        if total == 0:
+            raise RuntimeError("hsemu: the device's capacity is unlimited (set_device_capacity sets one)")
+        return total - stats()["allocated_bytes"], total
+
+    mod.mem_get_info = mem_get_info  # type: ignore[attr-defined]
     return mod
 
 

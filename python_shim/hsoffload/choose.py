@@ -1,0 +1,196 @@
+"""`policy="auto"`'s decision: per decoder layer, what to keep, recompute or offload, for the least step time whose
+device peak stays under a budget. The same chooser for the runtime (costs measured: hsoffload.offload.auto) and the
+planner (costs from the models: `hsoffload plan --policy auto`).
+
+Per layer, from fastest to leanest:
+
+- `none`: no checkpointing; the layer's saved activations stay on the device until its backward (its `held_none`
+  bytes), nothing is recomputed;
+- `keep`: checkpointing, its input kept on the device (`held_keep` bytes); backward recomputes its forward;
+- `offload`: checkpointing, its input copied to the host in forward and back before its backward (0 device bytes
+  held beyond the prefetch window); the recompute, plus what of the copies the layer's compute does not hide.
+
+The step time of a decision is a fixed part (every layer's forward and backward, the head, the optimizer) plus each
+layer's extra (`extra_s`): the recompute, and for `offload` the part of its copy longer than the layer's forward
+(the copy out) and than its recompute and backward (the copy back), plus one copy (the pipeline's fill) when any layer
+offloads. The device peak is a measured or modelled peak with every layer offloaded (`lean_peak_bytes`: the model
+states, the head, one layer's recompute) plus what the decision holds. Both are sums over layers, so the least-time
+decision under the budget is a multiple-choice knapsack: solved exactly by dynamic programming over the held bytes
+in `RESOLUTION` steps, each rounded up (a decision never holds more than it is counted for).
+
+Stdlib only (the planner imports it without torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from enum import Enum
+from typing import Mapping, Optional, Sequence
+
+RESOLUTION = 2048  # byte steps of the knapsack over the room the budget leaves
+
+
+class Choice(str, Enum):
+    NONE = "none"  # no checkpointing
+    KEEP = "keep"  # checkpointing, input kept on the device
+    OFFLOAD = "offload"  # checkpointing, input offloaded (policy hidden_states)
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: object, what: str) -> "Choice":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"hsoffload: {what} must be one of {', '.join(c.value for c in cls)}, got "
+                             f"{value!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """What one decoder layer costs per choice (bytes on the device until its backward; seconds)."""
+
+    name: str
+    held_none: int  # its saved activations without checkpointing
+    held_keep: int  # its input (what checkpointing saves)
+    forward_s: float  # its forward (the recompute)
+    backward_s: float
+    copy_s: float  # its input to the host, or back (one direction)
+
+    def held(self, c: Choice) -> int:
+        return {Choice.NONE: self.held_none, Choice.KEEP: self.held_keep, Choice.OFFLOAD: 0}[c]
+
+    def extra_s(self, c: Choice) -> float:
+        """The time this choice adds to the step over `none` (the pipeline's fill not included)."""
+        if c is Choice.NONE:
+            return 0.0
+        if c is Choice.KEEP:
+            return self.forward_s
+        return (self.forward_s + max(0.0, self.copy_s - self.forward_s)
+                + max(0.0, self.copy_s - self.forward_s - self.backward_s))
+
+    def scaled(self, factor: float) -> "LayerCost":
+        """The costs at `factor` times the tokens (bytes and times linear in them: a safe bound is the caller's)."""
+        return dataclasses.replace(self, held_none=math.ceil(self.held_none * factor),
+                                   held_keep=math.ceil(self.held_keep * factor), forward_s=self.forward_s * factor,
+                                   backward_s=self.backward_s * factor, copy_s=self.copy_s * factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One choice per layer, and what it is predicted to cost."""
+
+    choices: tuple[Choice, ...]
+    names: tuple[str, ...]
+    budget_bytes: int
+    peak_bytes: int  # predicted device peak
+    step_s: float  # predicted step time
+    fits: bool  # False: not even the leanest choice (with the pins) fits; the leanest is returned
+    pinned: tuple[str, ...] = ()
+
+    def counts(self) -> dict[str, int]:
+        return {c.value: sum(1 for x in self.choices if x is c) for c in Choice}
+
+    def table(self, costs: Optional[Sequence[LayerCost]] = None) -> str:
+        """The decision, a line per run of equal choices: layers, choice, bytes held, extra time."""
+        lines = [f"policy auto: {', '.join(f'{n} {c}' for c, n in self.counts().items() if n)}; predicted peak "
+                 f"{self.peak_bytes / 2**20:,.1f} MiB of a {self.budget_bytes / 2**20:,.1f} MiB budget"
+                 f"{'' if self.fits else ' (DOES NOT FIT: the leanest choice is applied)'}, step "
+                 f"{self.step_s * 1e3:,.1f} ms"]
+        i = 0
+        while i < len(self.choices):
+            j = i
+            while j + 1 < len(self.choices) and self.choices[j + 1] is self.choices[i]:
+                j += 1
+            span = self.names[i] if i == j else f"{self.names[i]} .. {self.names[j]}"
+            detail = ""
+            if costs is not None:
+                held = sum(costs[k].held(self.choices[k]) for k in range(i, j + 1))
+                extra = sum(costs[k].extra_s(self.choices[k]) for k in range(i, j + 1))
+                detail = f": {held / 2**20:,.1f} MiB held, +{extra * 1e3:,.1f} ms"
+            pins = [n for n in self.names[i:j + 1] if n in self.pinned]
+            lines.append(f"  {span} ({j - i + 1}): {self.choices[i]}{detail}"
+                         + (f" (pinned: {', '.join(pins)})" if pins else ""))
+            i = j + 1
+        return "\n".join(lines)
+
+
+def fill_s(costs: Sequence[LayerCost], choices: Sequence[Choice]) -> float:
+    """The pipeline's fill: one copy when any layer offloads (the first restore of backward is waited for)."""
+    copies = [c.copy_s for c, x in zip(costs, choices) if x is Choice.OFFLOAD]
+    return max(copies) if copies else 0.0
+
+
+def predict(costs: Sequence[LayerCost], choices: Sequence[Choice], lean_peak_bytes: int,
+            fixed_s: float) -> tuple[int, float]:
+    """The device peak and step time of `choices`."""
+    peak = lean_peak_bytes + sum(c.held(x) for c, x in zip(costs, choices))
+    step = fixed_s + sum(c.extra_s(x) for c, x in zip(costs, choices)) + fill_s(costs, choices)
+    return peak, step
+
+
+def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, fixed_s: float,
+           pins: Optional[Mapping[str, Choice]] = None) -> Decision:
+    """The least predicted step time whose predicted peak is at most `budget_bytes`; pinned layers keep their
+    choice. When nothing fits, every unpinned layer offloads and `fits` is False."""
+    pins = dict(pins or {})
+    unknown = sorted(set(pins) - {c.name for c in costs})
+    if unknown:
+        raise ValueError(f"hsoffload: auto_pins names layers this model does not have: {', '.join(unknown)} "
+                         f"(its layers: {costs[0].name} .. {costs[-1].name})" if costs else
+                         f"hsoffload: auto_pins given, but the model has no decoder layers: {', '.join(unknown)}")
+    names = tuple(c.name for c in costs)
+    options = [[pins[c.name]] if c.name in pins else list(Choice) for c in costs]
+    room = budget_bytes - lean_peak_bytes
+    best = _knapsack(costs, options, room) if room >= 0 else None
+    if best is None:
+        lean = tuple(pins.get(c.name, Choice.OFFLOAD) for c in costs)
+        peak, step = predict(costs, lean, lean_peak_bytes, fixed_s)
+        return Decision(lean, names, budget_bytes, peak, step, fits=False, pinned=tuple(sorted(pins)))
+    # The fill is not additive: compare the best with offload against the best without (where that fits).
+    candidates = [best]
+    no_offload = [[x for x in o if x is not Choice.OFFLOAD] or o for o in options]
+    alt = _knapsack(costs, no_offload, room)
+    if alt is not None:
+        candidates.append(alt)
+    chosen = min(candidates, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s)[1])
+    peak, step = predict(costs, chosen, lean_peak_bytes, fixed_s)
+    return Decision(tuple(chosen), names, budget_bytes, peak, step, fits=True, pinned=tuple(sorted(pins)))
+
+
+def _knapsack(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room: int) -> Optional[list[Choice]]:
+    """Least total extra time with held bytes <= room (bytes rounded up to room / RESOLUTION steps); None if the
+    leanest options do not fit."""
+    unit = max(1, math.ceil(room / RESOLUTION)) if room > 0 else 1
+    cap = room // unit
+    inf = float("inf")
+    # best[w]: least extra time over the layers so far holding w units; choice per layer per w for the way back.
+    best = [0.0] + [inf] * cap
+    back: list[list[Optional[tuple[int, Choice]]]] = []
+    for cost, opts in zip(costs, options):
+        nxt = [inf] * (cap + 1)
+        how: list[Optional[tuple[int, Choice]]] = [None] * (cap + 1)
+        for w, t in enumerate(best):
+            if t == inf:
+                continue
+            for c in opts:
+                w2 = w + math.ceil(cost.held(c) / unit)
+                if w2 > cap:
+                    continue
+                t2 = t + cost.extra_s(c)
+                if t2 < nxt[w2] - 1e-15:
+                    nxt[w2], how[w2] = t2, (w, c)
+        best = nxt
+        back.append(how)
+    w = min(range(cap + 1), key=lambda k: (best[k], k))
+    if best[w] == inf:
+        return None
+    chosen: list[Choice] = []
+    for how in reversed(back):
+        step = how[w]
+        assert step is not None
+        w, c = step
+        chosen.append(c)
+    return list(reversed(chosen))

@@ -1,0 +1,421 @@
+"""`policy="auto"` at run time: measure, decide per decoder layer, apply, verify every step.
+
+A model's `AutoController` (one per model, kept beside it while it lives) sees every decoder-layer call of forward
+before the layer runs (the patch calls `before_layer`); the first layer's call starts a step (a micro-batch).
+
+- Calibration (`auto_calibration_steps`, default 2): every layer checkpointed and offloaded (the leanest choice).
+  In the first, each kind of layer (its class and parameter shapes) is probed once at its own call: its forward
+  without checkpointing under a counting saved-tensor hook (what it would hold on the device: `held_none`), its
+  backward (`torch.autograd.grad` to its input and parameters: no `.grad` is touched), and a copy of its input to
+  pinned host memory and back (the copy time); all under a forked RNG, so the step's dropout is untouched. A probe
+  that would not fit the budget is not run (that layer is never left unchekpointed); one that runs out of memory
+  marks the same. The last calibration step's device peak and time are the lean baseline.
+- The decision (hsoffload.choose): the least predicted step time whose predicted peak (the lean peak plus what the
+  decision holds, plus a safety margin) is under the budget; logged as a table once per decision.
+- Applied per layer: `none` clears the layer's `gradient_checkpointing` flag (transformers honours it per layer),
+  `keep` leaves it checkpointed but not offloaded (the layer tracker's selection), `offload` is policy
+  hidden_states. Restored when the scope exits.
+- Verified every step: the measured peak against the budget and the prediction, the step time against the
+  prediction. A peak over the prediction raises the margin by the difference (the margin only grows: no
+  oscillation) and, when the decision then no longer fits, decides again. A batch with more tokens than any
+  calibrated runs with the leanest choice and calibrates again at its length before it is decided for: a longer
+  batch is planned, never discovered by an OOM.
+- `auto_report_only`: decide and log, keep every layer offloaded.
+
+Thread-safety: a controller is used on the thread that runs the model's forward (as the scope it serves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..choose import Choice, Decision, LayerCost, choose, predict
+
+logger = logging.getLogger("hsoffload")
+
+BUDGET_FRACTION = 0.95  # without device_budget: this share of the device's memory
+PROBE_GUESS = 24  # a probe runs only if this many times the layer's input still fits under the budget
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One step (micro-batch) under a decision: predicted and measured."""
+
+    tokens: int
+    decided: bool  # False: a calibration step
+    predicted_peak_bytes: Optional[int]
+    measured_peak_bytes: Optional[int]
+    predicted_step_s: Optional[float]
+    measured_step_s: float
+
+
+class DeviceMemory:
+    """The allocator's figures for one device, by torch.cuda's names on the device's module (torch.cuda, or an
+    out-of-tree backend's module that has them); None where it has none."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._mod = getattr(torch, device.type, None) if device.type != "cpu" else None
+
+    def _call(self, name: str, *args: Any) -> Any:
+        fn = getattr(self._mod, name, None)
+        return fn(*args) if fn is not None else None
+
+    def allocated(self) -> Optional[int]:
+        return self._call("memory_allocated", self.device)
+
+    def peak(self) -> Optional[int]:
+        return self._call("max_memory_allocated", self.device)
+
+    def reset_peak(self) -> None:
+        self._call("reset_peak_memory_stats", self.device)
+
+    def total(self) -> Optional[int]:
+        try:
+            info = self._call("mem_get_info", self.device)
+        except RuntimeError:
+            return None
+        return None if info is None else int(info[1])
+
+    def synchronize(self) -> None:
+        """Wait for everything queued on the device (every stream)."""
+        if self._mod is not None:
+            self._call("synchronize", self.device)
+
+    def synchronize_compute(self) -> None:
+        """Wait for the current stream only (compute), not the side streams' copies: a layer's compute time."""
+        if self._mod is not None:
+            event = torch.Event(device=self.device)
+            event.record()
+            event.synchronize()
+
+
+def _signature(layer: torch.nn.Module) -> tuple:
+    return (type(layer).__qualname__,) + tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
+
+
+def _first_tensor(out: Any) -> Optional[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return next((o for o in out if isinstance(o, torch.Tensor)), None)
+    return getattr(out, "last_hidden_state", None)
+
+
+@dataclasses.dataclass
+class _Probe:
+    held_none: int  # bytes (math.inf-like huge: never leave unchekpointed)
+    backward_s: float
+    copy_s: float
+
+
+NEVER = 1 << 62  # held bytes of a choice that must never be taken
+
+
+class AutoController:
+    """policy "auto" for one model: calibration, the decision, its application and verification."""
+
+    def __init__(self, model: torch.nn.Module, layer_cls: type, budget: Optional[int], calibration_steps: int,
+                 report_only: bool) -> None:
+        self._model = weakref.ref(model)
+        self.layers: list[tuple[str, torch.nn.Module]] = [
+            (n.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""), m)
+            for n, m in model.named_modules() if isinstance(m, layer_cls)]
+        self.index = {id(m): i for i, (_, m) in enumerate(self.layers)}
+        self.budget_arg = budget
+        self.budget: Optional[int] = budget
+        self.calibration_steps = calibration_steps
+        self.report_only = report_only
+        self.pins: dict[str, Choice] = {}
+        self.memory: Optional[DeviceMemory] = None
+        self.tokens = 0  # the longest batch calibrated (tokens of a layer's input)
+        self.calibrated = 0  # calibration steps done at `tokens`
+        self.probes: dict[tuple, _Probe] = {}
+        self.forward_s: dict[int, float] = {}  # per layer index, measured in the last calibration step
+        self.held_keep: dict[int, int] = {}
+        self.lean_peak: Optional[int] = None
+        self.lean_step_s: Optional[float] = None
+        self.margin = 0  # bytes added to every predicted peak; grows by each overshoot seen
+        self.decision: Optional[Decision] = None
+        self.costs: list[LayerCost] = []
+        self.decisions = 0
+        self.replans = 0
+        self.history: list[StepRecord] = []
+        self._step: Optional[dict[str, Any]] = None  # the step in progress
+        self._layer_t0: Optional[tuple[int, float]] = None
+        self._flags: dict[int, bool] = {}  # each layer's gradient_checkpointing before this controller set it
+
+    # -- per layer call -----------------------------------------------------------------------------------------
+
+    def before_layer(self, scope: Any, layer: torch.nn.Module, args: tuple, kwargs: dict,
+                     run: Callable[..., Any]) -> None:
+        """Called before a decoder layer's forward call in `scope` (not its recompute)."""
+        i = self.index.get(id(layer))
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        if i is None or not isinstance(x, torch.Tensor) or scope.layer_tracker.current is not None:
+            return
+        if self.memory is None:
+            self._bind_device(x.device)
+        if i == 0:
+            self._new_step(scope, x)
+            if x.requires_grad:  # the step's measurements end when backward has passed the first layer
+                x.register_hook(self._first_layer_backward_done)
+        calibrating = self._step is not None and not self._step["decided"]
+        if calibrating:
+            self._time_previous_layer(i)
+            if self._step["probe"]:
+                self._maybe_probe(layer, i, x, args, kwargs, run)
+            self.held_keep[i] = x.numel() * x.element_size()
+            self.memory.synchronize_compute()
+            self._layer_t0 = (i, time.perf_counter())
+
+    def _bind_device(self, device: torch.device) -> None:
+        self.memory = DeviceMemory(device)
+        if self.budget is None:
+            total = self.memory.total()
+            if total is None:
+                raise RuntimeError(f"hsoffload: policy auto needs device_budget on {device} (its memory size is "
+                                   "unknown): pass device_budget=<bytes>, e.g. '70GiB'")
+            self.budget = int(total * BUDGET_FRACTION)
+            logger.info("hsoffload: policy auto: device_budget %.2f GiB = %.0f%% of %s's %.2f GiB",
+                        self.budget / 2**30, BUDGET_FRACTION * 100, device, total / 2**30)
+
+    def _time_previous_layer(self, i: int) -> None:
+        if self._layer_t0 is not None and self._layer_t0[0] == i - 1:
+            self.memory.synchronize_compute()
+            self.forward_s[i - 1] = time.perf_counter() - self._layer_t0[1]
+        self._layer_t0 = None
+
+    # -- steps ----------------------------------------------------------------------------------------------------
+
+    def offloads_none(self) -> bool:
+        """The layers run now offload nothing (a decision of only none and keep)."""
+        return Choice.OFFLOAD not in self.choices()
+
+    def _first_layer_backward_done(self, grad: torch.Tensor) -> None:
+        """The gradient of the first layer's input: every layer's backward ran. The step's peak and time are read
+        here, before the optimizer step and the next batch (whose own peaks the decision does not move)."""
+        if self._step is not None and "t1" not in self._step:
+            self._step["t1"] = self._sync_time()
+            self._step["peak"] = self.memory.peak()
+
+    def _new_step(self, scope: Any, x: torch.Tensor) -> None:
+        now = self._sync_time()
+        if self._step is not None:
+            self._end_step(now)
+        tokens = x.numel() // max(1, x.shape[-1])
+        if tokens > self.tokens:
+            if self.tokens:
+                logger.info("hsoffload: policy auto: a batch of %d tokens, longer than the %d calibrated: this step "
+                            "runs every layer offloaded and calibrates again", tokens, self.tokens)
+            self.tokens, self.calibrated, self.decision = tokens, 0, None
+            self.probes.clear()
+        decided = self.decision is not None
+        self._step = {"t0": now, "tokens": tokens, "decided": decided, "probe": not decided and self.calibrated == 0,
+                      "decision": self.decision}
+        self._apply(scope)
+        self.memory.reset_peak()
+        self._step["t0"] = self._sync_time()
+
+    def _sync_time(self) -> float:
+        self.memory.synchronize()
+        return time.perf_counter()
+
+    def _end_step(self, now: float) -> None:  # noqa: ARG002
+        step = self._step
+        assert step is not None
+        if not step["decided"] and self._layer_t0 is not None:
+            self._layer_t0 = None  # the last layer's forward: measured as the others' mean below
+        if "t1" not in step:  # no backward reached the first layer (a forward only, or another graph): not a step
+            self._step = None
+            return
+        peak = step["peak"]
+        measured_s = step["t1"] - step["t0"]
+        decision: Optional[Decision] = step["decision"]
+        rec = StepRecord(step["tokens"], step["decided"], decision.peak_bytes + self.margin if decision else None,
+                         peak, decision.step_s if decision else None, measured_s)
+        self.history.append(rec)
+        self._step = None
+        if not step["decided"]:
+            if step["tokens"] == self.tokens:
+                self.calibrated += 1
+                self.lean_peak, self.lean_step_s = peak, measured_s
+                if self.calibrated >= self.calibration_steps:
+                    self._decide("calibrated")
+            return
+        if decision is None or peak is None:
+            return
+        if len([r for r in self.history if r.decided]) == 1 or peak > rec.predicted_peak_bytes:
+            logger.info("hsoffload: policy auto: step measured %.1f MiB peak (predicted %.1f, budget %.1f), %.1f ms "
+                        "(predicted %.1f)", peak / 2**20, rec.predicted_peak_bytes / 2**20, self.budget / 2**20,
+                        measured_s * 1e3, decision.step_s * 1e3)
+        if peak > rec.predicted_peak_bytes:
+            self.margin += peak - rec.predicted_peak_bytes
+            if decision.peak_bytes + self.margin > self.budget:
+                self.replans += 1
+                self._decide(f"the measured peak {peak / 2**20:.1f} MiB passed the prediction by "
+                             f"{(peak - rec.predicted_peak_bytes) / 2**20:.1f} MiB")
+
+    # -- the decision ---------------------------------------------------------------------------------------------
+
+    def _decide(self, why: str) -> None:
+        assert self.lean_peak is not None and self.lean_step_s is not None
+        n = len(self.layers)
+        known = [self.forward_s[k] for k in range(n) if k in self.forward_s]
+        mean_fwd = sum(known) / len(known) if known else 0.0
+        costs = []
+        for k, (name, layer) in enumerate(self.layers):
+            probe = self.probes.get(_signature(layer))
+            fwd = self.forward_s.get(k, mean_fwd)
+            costs.append(LayerCost(
+                name=name, held_none=probe.held_none if probe else NEVER, held_keep=self.held_keep.get(k, NEVER),
+                forward_s=fwd, backward_s=probe.backward_s if probe else 2 * fwd, copy_s=probe.copy_s if probe else 0.0))
+        lean = [Choice.OFFLOAD] * n
+        _, lean_s = predict(costs, lean, 0, 0.0)
+        fixed_s = self.lean_step_s - lean_s  # the step without any layer's extra: what the lean step measured, less
+        budget = self.budget - self.margin
+        self.costs = costs
+        self.decision = choose(costs, budget, self.lean_peak, fixed_s, self.pins)
+        self.decisions += 1
+        logger.info("hsoffload: policy auto, decision %d (%s; %d tokens; margin %.1f MiB)%s:\n%s", self.decisions,
+                    why, self.tokens, self.margin / 2**20, " REPORT ONLY, every layer offloaded" if self.report_only
+                    else "", self.decision.table(costs))
+
+    def choices(self) -> list[Choice]:
+        """What each layer runs with now."""
+        if self.decision is None or self.report_only:
+            return [Choice.OFFLOAD] * len(self.layers)  # calibration (the lean baseline), or report only
+        return list(self.decision.choices)
+
+    def _apply(self, scope: Any) -> None:
+        tracker = scope.layer_tracker
+        for (name, layer), choice in zip(self.layers, self.choices()):
+            if id(layer) not in self._flags:
+                self._flags[id(layer)] = bool(getattr(layer, "gradient_checkpointing", False))
+            layer.gradient_checkpointing = choice is not Choice.NONE
+            stats = tracker.layers.get(name)
+            if stats is not None:
+                stats.selected = choice is Choice.OFFLOAD
+
+    def restore(self) -> None:
+        """Give every layer back the gradient_checkpointing flag it had (the scope exits)."""
+        for _, layer in self.layers:
+            if id(layer) in self._flags:
+                layer.gradient_checkpointing = self._flags.pop(id(layer))
+
+    # -- the probe ------------------------------------------------------------------------------------------------
+
+    def _maybe_probe(self, layer: torch.nn.Module, i: int, x: torch.Tensor, args: tuple, kwargs: dict,
+                     run: Callable[..., Any]) -> None:
+        sig = _signature(layer)
+        if sig in self.probes:
+            return
+        nbytes = x.numel() * x.element_size()
+        allocated = self.memory.allocated()
+        if allocated is not None and allocated + PROBE_GUESS * nbytes > self.budget:
+            logger.info("hsoffload: policy auto: %s is not probed without checkpointing (it might not fit the budget): "
+                        "it stays checkpointed", self.layers[i][0])
+            self.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
+            return
+        try:
+            self.probes[sig] = self._probe(layer, x, args, kwargs, run)
+        except torch.OutOfMemoryError:
+            logger.info("hsoffload: policy auto: %s ran out of memory without checkpointing: it stays checkpointed",
+                        self.layers[i][0])
+            self.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
+
+    def _copy_s(self, x: torch.Tensor) -> float:
+        """One direction of a copy of `x` to pinned host memory and back (the slower)."""
+        pin = x.device.type != "cpu"
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
+        back = torch.empty_like(x)
+        t0 = self._sync_time()
+        host.copy_(x.detach(), non_blocking=pin)
+        t1 = self._sync_time()
+        back.copy_(host, non_blocking=pin)
+        t2 = self._sync_time()
+        return max(t1 - t0, t2 - t1)
+
+    def _probe(self, layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dict,
+               run: Callable[..., Any]) -> _Probe:
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.device == x.device and t.layout == torch.strided and t.numel() > 0:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in params:
+                    saved[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        flag = layer.gradient_checkpointing
+        devices = [x.device] if x.device.type == "cuda" else []
+        layer.gradient_checkpointing = False
+        try:
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                probe_x = x.detach().requires_grad_(True)
+                probe_args = (probe_x,) + tuple(args[1:]) if args else ()
+                probe_kwargs = kwargs if args else {**kwargs, "hidden_states": probe_x}
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = _first_tensor(run(layer, *probe_args, **probe_kwargs))
+                if out is None or not out.requires_grad:
+                    return _Probe(NEVER, 0.0, self._copy_s(x))
+                inputs = [probe_x] + [p for p in layer.parameters() if p.requires_grad]
+                t0 = self._sync_time()
+                torch.autograd.grad(out, inputs, grad_outputs=torch.ones_like(out), allow_unused=True)
+                backward_s = self._sync_time() - t0
+                del out
+        finally:
+            layer.gradient_checkpointing = flag
+        return _Probe(sum(saved.values()), backward_s, self._copy_s(x))
+
+
+# One controller per model, beside it while it lives (the decision is the model's, across scopes and steps).
+_controllers: "weakref.WeakKeyDictionary[torch.nn.Module, AutoController]" = weakref.WeakKeyDictionary()
+
+
+def controller_for(model: torch.nn.Module, layer_cls: type, config: Any) -> AutoController:
+    """The model's controller, made at first use with `config`'s auto options (a later scope with another budget
+    sets it)."""
+    ctl = _controllers.get(model)
+    if ctl is None:
+        ctl = AutoController(model, layer_cls, config.device_budget, config.auto_calibration_steps,
+                             config.auto_report_only)
+        _controllers[model] = ctl
+    else:
+        ctl.report_only = config.auto_report_only
+        ctl.calibration_steps = config.auto_calibration_steps
+        if config.device_budget is not None and config.device_budget != ctl.budget_arg:
+            ctl.budget_arg = ctl.budget = config.device_budget
+            if ctl.lean_peak is not None and ctl.calibrated >= ctl.calibration_steps:
+                ctl._decide("device_budget changed")
+    return ctl
+
+
+def pin(model: torch.nn.Module, pins: dict[str, str]) -> None:
+    """Fix some layers' choices (layer name -> "none", "keep" or "offload"); policy "auto" decides the others. Takes
+    effect at the model's next decision (call before its first step, or with its scope's next budget)."""
+    ctl = _controllers.get(model)
+    if ctl is None:
+        raise RuntimeError("hsoffload: pin() needs a model with policy auto: enter "
+                           "hsoffload.offload_hidden_states(model, policy='auto', ...) once first")
+    names = {n for n, _ in ctl.layers}
+    parsed = {k: Choice.parse(v, f"the pin of {k}") for k, v in pins.items()}
+    unknown = sorted(set(parsed) - names)
+    if unknown:
+        raise ValueError(f"hsoffload: pin() names layers this model does not have: {', '.join(unknown)}")
+    ctl.pins.update(parsed)
+    if ctl.decision is not None:
+        ctl._decide("pins changed")
+
+
+def controller(model: torch.nn.Module) -> Optional[AutoController]:
+    """The model's controller, if policy auto ever ran on it."""
+    return _controllers.get(model)

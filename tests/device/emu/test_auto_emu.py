@@ -1,0 +1,217 @@
+"""Policy "auto" on the emulated device (issue 39): measured, decided per layer, applied, verified; gradients bit for
+bit those of plain checkpointing whatever it chooses.
+
+A 4-layer Llama (float32, SDPA's math path on this device) trains with AdamW. The peaks are the device allocator's
+(`hsemu.stats()["peak_allocated_bytes"]`) over whole steps, the optimizer's included; the budgets lie between the
+leanest choice's peak (every layer offloaded) and above the peak without checkpointing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import pytest
+import torch
+import transformers
+
+import hsemu
+import hsoffload
+from hsoffload.choose import Choice
+from hsoffload.offload import auto
+from hsoffload.targets import enable_checkpointing
+
+STEPS = 5
+SEQ = 512
+
+
+def _model(dev: torch.device, layers: int = 4) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dev)
+    model.train()
+    enable_checkpointing(model, {"use_reentrant": False})
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _ids(dev: torch.device, seq: int, step: int) -> torch.Tensor:
+    return torch.randint(3, 512, (1, seq), generator=torch.Generator().manual_seed(step)).to(dev)
+
+
+def _train(dev: torch.device, mode: str, budget: Optional[int] = None, seqs: Optional[list[int]] = None,
+           **kwargs: Any) -> tuple[list[list[torch.Tensor]], list[int], torch.nn.Module]:
+    """Per step: the gradients (before the optimizer step) and the whole step's device peak."""
+    model, opt = _model(dev)
+    grads, peaks = [], []
+    for step, seq in enumerate(seqs or [SEQ] * STEPS):
+        ids = _ids(dev, seq, step)
+        hsemu.synchronize()
+        hsemu.reset_peak()
+        if mode == "checkpointing":
+            model(input_ids=ids, labels=ids).loss.backward()
+        else:
+            with hsoffload.offload_hidden_states(model, policy=mode, device_budget=budget, min_offload_size=0,
+                                                 **kwargs):
+                model(input_ids=ids, labels=ids).loss.backward()
+        grads.append([p.grad.cpu() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        hsemu.synchronize()
+        peaks.append(hsemu.stats()["peak_allocated_bytes"])
+    return grads, peaks, model
+
+
+def _no_checkpointing_peak(dev: torch.device) -> int:
+    model, opt = _model(dev)
+    for layer in model.model.layers:
+        layer.gradient_checkpointing = False
+    peak = 0
+    for step in range(2):
+        ids = _ids(dev, SEQ, step)
+        hsemu.synchronize()
+        hsemu.reset_peak()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        hsemu.synchronize()
+        peak = hsemu.stats()["peak_allocated_bytes"]
+    return peak
+
+
+def _same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for ga, gb in zip(a, b) for x, y in zip(ga, gb))
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    dev = torch.device(hsemu.DEVICE, 0)
+    with hsemu.copy_delay(0, 0, 0):
+        grads, _, _ = _train(dev, "checkpointing")
+        _, lean, _ = _train(dev, "hidden_states")
+        return {"grads": grads, "lean_peak": max(lean), "none_peak": _no_checkpointing_peak(dev)}
+
+
+def test_every_budget_is_kept_and_gradients_are_plain_checkpointings(dev: torch.device, reference: dict[str, Any],
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """One run: two calibration steps, then two steps at each budget from the leanest choice's peak to above the peak
+    without checkpointing (each new budget decides again, on the same measurements)."""
+    lean, none = reference["lean_peak"], reference["none_peak"]
+    assert none > 1.5 * lean, "the model must leave room between the leanest choice and no checkpointing"
+    budgets = [lean, lean + (none - lean) // 3, lean + 2 * (none - lean) // 3, none, int(1.6 * none)]
+    per_step = [budgets[0]] * 2 + [b for b in budgets for _ in range(2)]
+    with hsemu.copy_delay(0, 0, 0):
+        ref, _, _ = _train(dev, "checkpointing", seqs=[SEQ] * len(per_step))
+        model, opt = _model(dev)
+        grads, rows = [], []
+        for step, budget in enumerate(per_step):
+            ids = _ids(dev, SEQ, step)
+            hsemu.synchronize()
+            hsemu.reset_peak()
+            with hsoffload.offload_hidden_states(model, policy="auto", device_budget=budget, min_offload_size=0):
+                model(input_ids=ids, labels=ids).loss.backward()
+            grads.append([p.grad.cpu() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            hsemu.synchronize()
+            ctl = auto.controller(model)
+            rows.append((budget, hsemu.stats()["peak_allocated_bytes"], ctl.decision))
+            # Every layer gets its own flag back when the scope exits.
+            assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    assert _same(grads, ref), "gradients differ from plain checkpointing"
+    with capsys.disabled():
+        print("\npolicy auto on the emulated device: budget, measured peak, choices, predicted peak and step")
+        for budget, peak, d in rows[2::2]:
+            print(f"  {budget / 2**20:7.2f} MiB  {peak / 2**20:7.2f} MiB  {d.counts()}  {d.peak_bytes / 2**20:.2f} "
+                  f"MiB  {d.step_s * 1e3:.1f} ms")
+    over = [(b, p) for b, p, _ in rows if p > b]
+    assert not over, f"measured peaks over the budget: {over}"
+    decided = [d for _, _, d in rows[2::2]]
+    assert all(d.fits for d in decided)
+    predicted = [d.step_s for d in decided]
+    assert predicted == sorted(predicted, reverse=True), "more room never makes the predicted step slower"
+    counts = [d.counts() for d in decided]
+    assert counts[0]["none"] == 0, "at the leanest choice's peak no layer can go without checkpointing"
+    assert counts[-1] == {"none": 4, "keep": 0, "offload": 0}, "above the no-checkpointing peak nothing is checkpointed"
+    assert [c["none"] for c in counts] == sorted(c["none"] for c in counts)
+    assert predicted[-1] < predicted[0]
+
+
+def test_slow_copies_keep_or_recompute_instead_of_offloading(dev: torch.device) -> None:
+    """At a budget that fits two layers without checkpointing if the other two offload, but not if they keep their
+    inputs: with copies faster than compute the decision offloads two and saves two recomputes; with copies far
+    slower than the compute that would hide them, it recomputes instead (one layer without checkpointing)."""
+    decisions = {}
+    for name, rate in (("fast", 0), ("slow", 1_000_000)):  # 1 MB/s: a 128 KiB input takes 131 ms each way
+        with hsemu.copy_delay(0, 0, 0), hsemu.copy_rate(rate, rate, 0):
+            model, opt = _model(dev)
+            for step in range(3):
+                ids = _ids(dev, SEQ, step)
+                with hsoffload.offload_hidden_states(model, policy="auto", device_budget=1 << 40,
+                                                     min_offload_size=0):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            ctl = auto.controller(model)
+            a, h = ctl.costs[0].held_none, ctl.costs[0].held_keep
+            budget = ctl.lean_peak + 2 * a + 2 * h - 1
+            with hsoffload.offload_hidden_states(model, policy="auto", device_budget=budget, min_offload_size=0):
+                pass  # a new budget decides again at once
+            decisions[name] = ctl.decision.counts()
+    assert decisions["fast"] == {"none": 2, "keep": 0, "offload": 2}, decisions
+    assert decisions["slow"]["offload"] == 0 and decisions["slow"]["none"] == 1, decisions
+
+
+def test_a_longer_batch_is_calibrated_before_it_is_decided_for(dev: torch.device, reference: dict[str, Any],
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    lean, none = reference["lean_peak"], reference["none_peak"]
+    budget = lean + (none - lean) // 2
+    seqs = [256, 256, 256, 256, SEQ, SEQ, SEQ, SEQ]
+    with hsemu.copy_delay(0, 0, 0), caplog.at_level(logging.INFO, "hsoffload"):
+        ref, _, _ = _train(dev, "checkpointing", seqs=seqs)
+        grads, peaks, model = _train(dev, "auto", budget, seqs=seqs)
+    assert _same(grads, ref)
+    assert max(peaks) <= budget, (peaks, budget)
+    assert "longer than the 256 calibrated" in caplog.text
+    ctl = auto.controller(model)
+    assert ctl.tokens == SEQ and ctl.decisions == 2
+    assert [r.decided for r in ctl.history] == [False, False, True, True, False, False, True]
+
+
+def test_report_only_decides_and_keeps_every_layer_offloaded(dev: torch.device, reference: dict[str, Any],
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    with hsemu.copy_delay(0, 0, 0), caplog.at_level(logging.INFO, "hsoffload"):
+        grads, _, model = _train(dev, "auto", 1 << 40, auto_report_only=True)
+    assert _same(grads, reference["grads"])
+    ctl = auto.controller(model)
+    assert ctl.decision.counts()["none"] == 4 and ctl.choices() == [Choice.OFFLOAD] * 4
+    assert "REPORT ONLY" in caplog.text and "policy auto: 4 none" in caplog.text
+
+
+def test_pins_are_respected(dev: torch.device, reference: dict[str, Any]) -> None:
+    with hsemu.copy_delay(0, 0, 0):
+        model, opt = _model(dev)
+        for step in range(STEPS):
+            ids = _ids(dev, SEQ, step)
+            with hsoffload.offload_hidden_states(model, policy="auto", device_budget=1 << 40, min_offload_size=0):
+                if step == 0:
+                    auto.pin(model, {"model.layers.1": "offload", "model.layers.2": "keep"})
+                model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    d = auto.controller(model).decision
+    assert [str(c) for c in d.choices] == ["none", "offload", "keep", "none"]
+    assert "(pinned: model.layers.1)" in d.table()
+    with pytest.raises(ValueError, match="model.layers.9"):
+        auto.pin(model, {"model.layers.9": "none"})
+    with pytest.raises(ValueError, match="must be one of none, keep, offload"):
+        auto.pin(model, {"model.layers.0": "sometimes"})
+
+
+def test_auto_without_a_model_says_what_to_pass(dev: torch.device) -> None:
+    model, _ = _model(dev)
+    ids = _ids(dev, SEQ, 0)
+    with pytest.raises(RuntimeError, match="policy auto needs the model"):
+        with hsoffload.offload_hidden_states(policy="auto", device_budget=1 << 30):
+            model(input_ids=ids, labels=ids).loss.backward()
