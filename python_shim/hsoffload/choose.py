@@ -15,8 +15,8 @@ layer's extra (`extra_s`): the recompute, and for `offload` the part of its copy
 (the copy out) and than its recompute and backward (the copy back), plus one copy (the pipeline's fill) when any layer
 offloads. The device peak is a measured or modelled peak with every layer offloaded (`lean_peak_bytes`: the model
 states, the head, one layer's recompute) plus what the decision holds. Both are sums over layers, so the least-time
-decision under the budget is a multiple-choice knapsack: solved exactly by dynamic programming over the held bytes
-in `RESOLUTION` steps, each rounded up (a decision never holds more than it is counted for).
+decision under the budget is a multiple-choice knapsack, solved exactly over the Pareto front of (bytes held,
+time) (`_knapsack`); the pipeline's fill, the one term that is not a sum, by one knapsack per value it can take.
 
 Stdlib only (the planner imports it without torch).
 """
@@ -28,7 +28,8 @@ import math
 from enum import Enum
 from typing import Mapping, Optional, Sequence
 
-RESOLUTION = 2048  # byte steps of the knapsack over the room the budget leaves
+FILL_LIMITS = 6  # values of the pipeline's fill tried at most (one knapsack each)
+FRONT_LIMIT = 1024  # states of the knapsack's Pareto front kept per layer (thinned past it; never over the room)
 
 
 class Choice(str, Enum):
@@ -144,53 +145,63 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
     names = tuple(c.name for c in costs)
     options = [[pins[c.name]] if c.name in pins else list(Choice) for c in costs]
     room = budget_bytes - lean_peak_bytes
-    best = _knapsack(costs, options, room) if room >= 0 else None
-    if best is None:
+    # The fill (the largest copy of an offloaded layer) is not a sum over layers: for each value it can take, the
+    # best decision offloading only layers whose copy is at most that, and the best offloading none.
+    candidates = []
+    if room >= 0:
+        for limit in _fill_limits(costs) + [None]:
+            allowed = [[x for x in o if x is not Choice.OFFLOAD or (limit is not None and c.copy_s <= limit)] or o
+                       for c, o in zip(costs, options)]
+            found = _knapsack(costs, allowed, room)
+            if found is not None:
+                candidates.append(found)
+    if not candidates:
         lean = tuple(pins.get(c.name, Choice.OFFLOAD) for c in costs)
         peak, step = predict(costs, lean, lean_peak_bytes, fixed_s)
         return Decision(lean, names, budget_bytes, peak, step, fits=False, pinned=tuple(sorted(pins)))
-    # The fill is not additive: compare the best with offload against the best without (where that fits).
-    candidates = [best]
-    no_offload = [[x for x in o if x is not Choice.OFFLOAD] or o for o in options]
-    alt = _knapsack(costs, no_offload, room)
-    if alt is not None:
-        candidates.append(alt)
     chosen = min(candidates, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s)[1])
     peak, step = predict(costs, chosen, lean_peak_bytes, fixed_s)
     return Decision(tuple(chosen), names, budget_bytes, peak, step, fits=True, pinned=tuple(sorted(pins)))
 
 
+def _fill_limits(costs: Sequence[LayerCost]) -> list[float]:
+    """The copy times the fill is tried at: every distinct one, or FILL_LIMITS of them spread over their range (the
+    largest included) where layers differ more (the fill is one copy: a close limit costs at most the gap)."""
+    values = sorted({c.copy_s for c in costs})
+    if len(values) <= FILL_LIMITS:
+        return values
+    return sorted({values[round(k * (len(values) - 1) / (FILL_LIMITS - 1))] for k in range(FILL_LIMITS)})
+
+
 def _knapsack(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room: int) -> Optional[list[Choice]]:
-    """Least total extra time with held bytes <= room (bytes rounded up to room / RESOLUTION steps); None if the
-    leanest options do not fit."""
-    unit = max(1, math.ceil(room / RESOLUTION)) if room > 0 else 1
-    cap = room // unit
-    inf = float("inf")
-    # best[w]: least extra time over the layers so far holding w units; choice per layer per w for the way back.
-    best = [0.0] + [inf] * cap
-    back: list[list[Optional[tuple[int, Choice]]]] = []
+    """Least total extra time with held bytes <= room, exact: the Pareto front of (bytes held, time) over the layers
+    so far (layers alike collapse to few sums). A front past FRONT_LIMIT states is thinned to the fastest state per
+    room / FRONT_LIMIT bytes: every state kept is exact (never over the room), the optimum may then be missed by
+    at most that much room. None if the leanest options do not fit."""
+    front: list[tuple[int, float, tuple[Choice, ...]]] = [(0, 0.0, ())]
     for cost, opts in zip(costs, options):
-        nxt = [inf] * (cap + 1)
-        how: list[Optional[tuple[int, Choice]]] = [None] * (cap + 1)
-        for w, t in enumerate(best):
-            if t == inf:
-                continue
+        nxt: dict[int, tuple[float, tuple[Choice, ...]]] = {}
+        for held, t, chosen in front:
             for c in opts:
-                w2 = w + math.ceil(cost.held(c) / unit)
-                if w2 > cap:
+                h2 = held + cost.held(c)
+                if h2 > room:
                     continue
                 t2 = t + cost.extra_s(c)
-                if t2 < nxt[w2] - 1e-15:
-                    nxt[w2], how[w2] = t2, (w, c)
-        best = nxt
-        back.append(how)
-    w = min(range(cap + 1), key=lambda k: (best[k], k))
-    if best[w] == inf:
+                cur = nxt.get(h2)
+                if cur is None or t2 < cur[0] - 1e-15:
+                    nxt[h2] = (t2, chosen + (c,))
+        front = []
+        fastest = float("inf")
+        for held, (t, chosen) in sorted(nxt.items()):  # more bytes only if faster than every leaner state
+            if t < fastest - 1e-15:
+                front.append((held, t, chosen))
+                fastest = t
+        if len(front) > FRONT_LIMIT:
+            width = max(1, room // FRONT_LIMIT)
+            thinned: dict[int, tuple[int, float, tuple[Choice, ...]]] = {}
+            for state in front:  # ascending bytes, descending time: the last of a bucket is its fastest
+                thinned[state[0] // width] = state
+            front = sorted(thinned.values())
+    if not front:
         return None
-    chosen: list[Choice] = []
-    for how in reversed(back):
-        step = how[w]
-        assert step is not None
-        w, c = step
-        chosen.append(c)
-    return list(reversed(chosen))
+    return list(min(front, key=lambda s: (s[1], s[0]))[2])

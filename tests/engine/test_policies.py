@@ -44,7 +44,7 @@ def _parity(model: torch.nn.Module, **scope_kwargs: object) -> list[hsoffload.Of
 
 
 def test_bad_policy_and_budget_values_are_refused_with_the_choices():
-    with pytest.raises(ValueError, match="policy must be one of 'hidden_states', 'sac', 'all' or a callable"):
+    with pytest.raises(ValueError, match="policy must be one of 'hidden_states', 'sac', 'all', 'auto' or a callable"):
         hsoffload.OffloadConfig(policy="everything")
     with pytest.raises(ValueError, match=r"offload_fraction must be a number in \[0, 1\]"):
         hsoffload.OffloadConfig(offload_fraction=1.5)

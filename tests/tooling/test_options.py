@@ -71,7 +71,7 @@ def test_policy_is_one_type_that_takes_the_strings() -> None:
     assert config.policy_name is options.PolicyName.SAC
     assert config.policy_name.offloads_sac_saves and config.policy_name.marks_layer_inputs
     assert hsoffload.OffloadConfig(policy=lambda t, n: True).policy_name is None
-    with pytest.raises(ValueError, match="'hidden_states', 'sac', 'all' or a callable"):
+    with pytest.raises(ValueError, match="'hidden_states', 'sac', 'all', 'auto' or a callable"):
         options.PolicyName.parse("everything")
 
 

@@ -22,11 +22,14 @@ In the Axolotl YAML::
     hsoffload_share_copies: false         # true: saves of one tensor by several ops share one host copy (fewer
                                           # bytes; a .data write between the saves then restores the first's bytes)
     hsoffload_offload_cpu_tensors: false  # also copy CPU tensors (CPU smoke runs; no benefit otherwise)
-    hsoffload_policy: hidden_states       # or sac (plus what selective checkpointing keeps) or all (every saved
-                                          # activation; works without gradient_checkpointing)
+    hsoffload_policy: hidden_states       # or sac (plus what selective checkpointing keeps), all (every saved
+                                          # activation; works without gradient_checkpointing) or auto (per layer)
     hsoffload_keep_last_layers: 0         # the last k decoder layers keep their tensors on the GPU
     hsoffload_offload_fraction: 1.0       # share of the other decoder layers (the first ones) that offload
     hsoffload_offload_output_head: false  # policy all: also the output head's saved tensors
+    hsoffload_device_budget: null         # policy auto: device bytes a step may peak at (null: 95 % of the GPU)
+    hsoffload_auto_calibration_steps: 2   # policy auto: measuring steps before the first decision
+    hsoffload_auto_report_only: false     # policy auto: decide and log, keep every layer offloaded
     hsoffload_zero3_loading: false        # true, with a ZeRO-3 `deepspeed:` config: ranks other than rank 0 receive
                                           # only their partition while the model loads (hsoffload.zero3_loading)
     hsoffload_zero3_loading_verify: false # true: check every partition against rank 0's values (a checksum each)

@@ -1,0 +1,70 @@
+"""policy auto's chooser (hsoffload.choose): the least step time under the budget, checked against every decision
+by brute force; never over the budget; never slower with more room; pins kept; nothing fits said."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hsoffload.choose import Choice, LayerCost, choose, predict
+
+layer = st.builds(
+    lambda i, none, keep, f, b, c: LayerCost(f"model.layers.{i}", none, keep, f, b, c),
+    st.just(0), st.integers(1, 10_000), st.integers(1, 1_000), st.floats(0.001, 1.0), st.floats(0.001, 2.0),
+    st.floats(0.0, 3.0))
+
+
+def _named(costs: list[LayerCost]) -> list[LayerCost]:
+    return [LayerCost(f"model.layers.{i}", c.held_none, c.held_keep, c.forward_s, c.backward_s, c.copy_s)
+            for i, c in enumerate(costs)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(layer, min_size=1, max_size=5), st.integers(0, 40_000), st.integers(0, 5_000))
+def test_the_least_time_under_the_budget(costs: list[LayerCost], room: int, lean: int) -> None:
+    costs = _named(costs)
+    d = choose(costs, lean + room, lean, fixed_s=1.0)
+    fitting = [ch for ch in itertools.product(list(Choice), repeat=len(costs))
+               if predict(costs, ch, lean, 1.0)[0] <= lean + room]
+    if not d.fits:
+        assert not fitting and d.choices == (Choice.OFFLOAD,) * len(costs)
+        return
+    assert fitting and d.peak_bytes <= lean + room, "the decision holds more than the budget allows"
+    assert (d.peak_bytes, d.step_s) == predict(costs, d.choices, lean, 1.0)
+    # Exact: no decision that fits is faster.
+    assert d.step_s <= min(predict(costs, ch, lean, 1.0)[1] for ch in fitting) + 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(layer, min_size=1, max_size=6))
+def test_more_room_is_never_slower(costs: list[LayerCost]) -> None:
+    costs = _named(costs)
+    total = sum(c.held_none for c in costs)
+    steps = [choose(costs, 1000 + r, 1000, 0.0).step_s for r in range(0, total + 2, max(1, total // 7))]
+    assert steps == sorted(steps, reverse=True)
+    # Room for everything: nothing is checkpointed, nothing added to the step.
+    d = choose(costs, 1000 + total, 1000, 0.0)
+    assert d.choices == (Choice.NONE,) * len(costs) and d.step_s == 0.0
+
+
+def test_copies_slower_than_compute_recompute_instead() -> None:
+    # Room for two layers without checkpointing only if the other two hold nothing (offload), not their inputs.
+    fast = [LayerCost(f"l{i}", 100, 10, forward_s=1.0, backward_s=2.0, copy_s=0.1) for i in range(4)]
+    slow = [LayerCost(f"l{i}", 100, 10, forward_s=1.0, backward_s=2.0, copy_s=5.0) for i in range(4)]
+    assert choose(fast, 200 + 19, 0, 0.0).counts() == {"none": 2, "keep": 0, "offload": 2}
+    assert choose(slow, 200 + 19, 0, 0.0).counts() == {"none": 1, "keep": 3, "offload": 0}
+
+
+def test_pins_and_what_does_not_fit() -> None:
+    costs = [LayerCost(f"l{i}", 100, 10, 1.0, 2.0, 0.1) for i in range(3)]
+    d = choose(costs, 10_000, 0, 0.0, pins={"l1": Choice.OFFLOAD})
+    assert [str(c) for c in d.choices] == ["none", "offload", "none"] and d.pinned == ("l1",)
+    d = choose(costs, 50, 100, 0.0)
+    assert not d.fits and d.choices == (Choice.OFFLOAD,) * 3 and "DOES NOT FIT" in d.table(costs)
+    with pytest.raises(ValueError, match="l7"):
+        choose(costs, 10_000, 0, 0.0, pins={"l7": Choice.NONE})
+    with pytest.raises(ValueError, match="must be one of none, keep, offload"):
+        Choice.parse("maybe", "the pin")
