@@ -159,9 +159,28 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
         lean = tuple(pins.get(c.name, Choice.OFFLOAD) for c in costs)
         peak, step = predict(costs, lean, lean_peak_bytes, fixed_s)
         return Decision(lean, names, budget_bytes, peak, step, fits=False, pinned=tuple(sorted(pins)))
-    chosen = min(candidates, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s)[1])
+    chosen = _canonical(costs, min(candidates, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s)[1]),
+                        pins)
     peak, step = predict(costs, chosen, lean_peak_bytes, fixed_s)
     return Decision(tuple(chosen), names, budget_bytes, peak, step, fits=True, pinned=tuple(sorted(pins)))
+
+
+ORDER = (Choice.OFFLOAD, Choice.KEEP, Choice.NONE)  # along the layers, among layers that cost the same
+
+
+def _canonical(costs: Sequence[LayerCost], choices: Sequence[Choice], pins: Mapping[str, Choice]) -> list[Choice]:
+    """The same multiset of choices per group of layers that cost the same, laid out in ORDER along them: the first
+    layers offload (their copies have the longest to hide behind), the last go without checkpointing (backward needs
+    them first). The peak and time are unchanged; the runtime and the planner lay alike decisions out alike."""
+    out = list(choices)
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(costs):
+        if c.name not in pins:
+            groups.setdefault((c.held_none, c.held_keep, c.forward_s, c.backward_s, c.copy_s), []).append(i)
+    for members in groups.values():
+        for i, choice in zip(members, sorted((out[i] for i in members), key=ORDER.index)):
+            out[i] = choice
+    return out
 
 
 def _fill_limits(costs: Sequence[LayerCost]) -> list[float]:

@@ -268,12 +268,19 @@ class AutoController:
     def _decide(self, why: str) -> None:
         assert self.lean_peak is not None and self.lean_step_s is not None
         n = len(self.layers)
-        known = [self.forward_s[k] for k in range(n) if k in self.forward_s]
+        # A layer's forward time: the mean over the layers of its kind (alike layers cost alike, whatever the timer's
+        # noise; the decision then lays them out canonically, as the planner does).
+        by_kind: dict[tuple, list[float]] = {}
+        for k, (_, layer) in enumerate(self.layers):
+            if k in self.forward_s:
+                by_kind.setdefault(_signature(layer), []).append(self.forward_s[k])
+        known = [t for ts in by_kind.values() for t in ts]
         mean_fwd = sum(known) / len(known) if known else 0.0
         costs = []
         for k, (name, layer) in enumerate(self.layers):
             probe = self.probes.get(_signature(layer))
-            fwd = self.forward_s.get(k, mean_fwd)
+            times = by_kind.get(_signature(layer))
+            fwd = sum(times) / len(times) if times else mean_fwd
             costs.append(LayerCost(
                 name=name, held_none=probe.held_none if probe else NEVER, held_keep=self.held_keep.get(k, NEVER),
                 forward_s=fwd, backward_s=probe.backward_s if probe else 2 * fwd, copy_s=probe.copy_s if probe else 0.0))

@@ -25,19 +25,19 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from .. import options
+from .. import choose, options
 from ..options import AUTO_HOST_BUDGET_FRACTION, PolicyName
 from . import memory as pm
 from . import overhead, timing, walls
 from .overhead import Budget, Overhead
 from .memory import PlanError
-from .shapes import PLAN_FORMAT_VERSION, Fastest, LongestRun, MaxSeqResult, MaxSeqRow, PlanInput, PlanResult  # noqa: F401
+from .shapes import PLAN_FORMAT_VERSION, AutoPlan, Fastest, LongestRun, MaxSeqResult, MaxSeqRow, PlanInput, PlanResult  # noqa: F401
 
 logger = logging.getLogger("hsoffload")
 
 _DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _GIB = float(1 << 30)
-PLAN_POLICIES = pm.OFFLOAD_POLICIES
+PLAN_POLICIES = pm.OFFLOAD_POLICIES + (PolicyName.AUTO.value,)
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -146,6 +146,11 @@ def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
     policy = inp.policy or (options.default("policy") if inp.checkpointing else PolicyName.ALL).value
     if policy not in PLAN_POLICIES:
         raise PlanError(f"hsoffload plan: --policy must be one of {', '.join(PLAN_POLICIES)}, got {policy!r}")
+    if PolicyName(policy).chooses_per_layer:
+        if not inp.checkpointing:
+            raise PlanError("hsoffload plan: --policy auto chooses per layer whether to checkpoint: drop "
+                            "--no-checkpointing")
+        policy = PolicyName.HIDDEN_STATES.value  # the plan's figures: its leanest choice; the decision: auto_decision
     setup = pm.Setup(
         seq_len=inp.seq_len, micro_batch=inp.micro_batch, grad_accum=inp.grad_accum, dtype_bytes=_DTYPES[inp.dtype], world_size=inp.world_size,
         fsdp=inp.fsdp, sequence_parallel=inp.sequence_parallel, tiled_mlp=inp.tiled_mlp,
@@ -441,7 +446,31 @@ def plan(inp: PlanInput) -> PlanResult:
         advice=why,
         torch_version=torch_version,
         walls=hit,
+        auto_decision=auto_decision(shape, setup, device, local, budget, device_bytes) if inp.policy and
+        PolicyName(inp.policy).chooses_per_layer else None,
     )
+
+
+def auto_decision(shape: pm.ModelShape, s: pm.Setup, device: timing.DeviceProfile, local: int, budget: Budget,
+                  device_bytes: int) -> AutoPlan:
+    """policy auto's decision from the models alone: each layer's bytes without checkpointing and its input, its
+    forward and backward at the profile's rate, its copy at the host link; the leanest choice's reserved peak (every
+    layer offloaded) as the baseline the runtime measures; the device as the budget."""
+    lean = dataclasses.replace(s, offload=PolicyName.HIDDEN_STATES.value, keep_last_layers=0)
+    plain = dataclasses.replace(s, checkpointing=False, offload=None)
+    link = timing.copy_bandwidth(device, local)
+    costs = []
+    for i, (fwd, bwd) in enumerate(timing.layer_times(shape, lean, device)):
+        moe = pm.is_moe_layer(shape, i)
+        held_keep = pm.held_per_layer_bytes(shape, dataclasses.replace(lean, offload=None), moe)
+        costs.append(choose.LayerCost(name=f"model.layers.{i}", held_none=pm.held_per_layer_bytes(shape, plain, moe),
+                                      held_keep=held_keep, forward_s=fwd, backward_s=bwd, copy_s=held_keep / link))
+    lean_phase = pm.peak(shape, lean)
+    lean_reserved = budget.reserved(shape, lean, lean_phase.total)
+    fixed = timing.step_time(shape, plain, device, [0] * shape.layers, local).total_s
+    d = choose.choose(costs, device_bytes, lean_reserved, fixed)
+    return AutoPlan(choices=[str(c) for c in d.choices], counts=d.counts(), budget_bytes=device_bytes,
+                    peak_bytes=d.peak_bytes, step_time_s=d.step_s, fits=d.fits, table=d.table(costs))
 
 
 # Pinned model states beyond this fraction of a node's RAM leave too little for the OS, data loaders, the processes.
@@ -602,6 +631,9 @@ def format_plan(p: PlanResult) -> str:
     else:
         extra = " (set spill_dir)" if p.verdict == "fits with spill" else ""
         lines.append(f"verdict: {p.verdict}{extra}; {hide}")
+    if p.auto_decision is not None:  # --policy auto: what the runtime would choose, from the models
+        lines.append("with --policy auto (the figures above: every layer offloaded, its leanest choice), reserved:")
+        lines.extend("  " + line for line in p.auto_decision.table.splitlines())
     return "\n".join(lines)
 
 

@@ -182,9 +182,23 @@ class PlanResult:
     walls: list[WallHit]  # the kernels' walls this run meets (hsoffload.planning.walls), the silently wrong first
     grad_accum: int = 1  # micro-batches per optimizer step: the step times cover them all
     step_time_s_without_offload: Optional[float] = None  # the same step, checkpointing as given, without hsoffload
+    auto_decision: Optional["AutoPlan"] = None  # --policy auto: the decision per layer (hsoffload.choose)
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": PLAN_FORMAT_VERSION, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPlan:
+    """`--policy auto`: the decision the runtime would make from the models' costs (hsoffload.choose)."""
+
+    choices: list[str]  # per decoder layer: none, keep or offload
+    counts: dict[str, int]
+    budget_bytes: int  # the device
+    peak_bytes: int  # predicted, what the process reserves
+    step_time_s: float  # predicted
+    fits: bool
+    table: str  # the decision as the runtime logs it
 
 
 @dataclasses.dataclass(frozen=True)

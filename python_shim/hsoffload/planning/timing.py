@@ -161,6 +161,19 @@ def exposed_d2h(offloaded: int, layers: int, layer_forward: float, per_copy: flo
     return max(0.0, last_copy_done - layers * layer_forward - head)
 
 
+def layer_times(shape: ModelShape, s: Setup, p: DeviceProfile) -> list[tuple[float, float]]:
+    """Each decoder layer's forward and backward (seconds) on profile `p`."""
+    rate = p.tflops * 1e12
+    # Each rank's share of attention is its tokens against the whole sequence's keys (Ulysses: all tokens, 1/D of
+    # the heads; ring: its queries, every key over the passes). Causal: half of QK^T's and AV's 2 x 2 x t x k x d.
+    attention = 2 * s.tokens * s.seq_len * shape.heads * shape.head_dim / rate
+    out = []
+    for i in range(shape.layers):
+        linear = 2 * _active_layer_parameters(shape, is_moe_layer(shape, i)) * s.tokens / rate
+        out.append((linear + attention, 2 * linear + attention_backward_factor(s.attn) * attention))
+    return out
+
+
 def step_time(shape: ModelShape, s: Setup, p: DeviceProfile, offloaded_layer_bytes: list[int],
               local_world_size: int) -> StepTime:
     """The predicted step of `s` on profile `p`; `offloaded_layer_bytes[i]`: what layer i copies to the host and back
@@ -168,14 +181,12 @@ def step_time(shape: ModelShape, s: Setup, p: DeviceProfile, offloaded_layer_byt
     rate = p.tflops * 1e12
     tokens = s.tokens
     q_width = shape.heads * shape.head_dim
-    # Each rank's share of attention is its tokens against the whole sequence's keys (Ulysses: all tokens, 1/D of
-    # the heads; ring: its queries, every key over the passes). Causal: half of QK^T's and AV's 2 x 2 x t x k x d.
     attention = 2 * tokens * s.seq_len * q_width
-    linear = [2 * _active_layer_parameters(shape, is_moe_layer(shape, i)) * tokens / rate for i in range(shape.layers)]
-    forward = [f + attention / rate for f in linear]
+    times = layer_times(shape, s, p)
+    forward = [f for f, _ in times]
     fwd = sum(forward)
     recompute = fwd if s.checkpointing else 0.0
-    backward = 2 * sum(linear) + attention_backward_factor(s.attn) * shape.layers * attention / rate
+    backward = sum(b for _, b in times)
     head = 3 * 2 * shape.hidden * shape.vocab * tokens / rate  # forward and its two backward matmuls
     parts: dict[str, float] = {"forward": fwd, "recompute": recompute, "backward": backward, "head": head}
 

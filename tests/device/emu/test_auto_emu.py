@@ -215,3 +215,41 @@ def test_auto_without_a_model_says_what_to_pass(dev: torch.device) -> None:
     with pytest.raises(RuntimeError, match="policy auto needs the model"):
         with hsoffload.offload_hidden_states(policy="auto", device_budget=1 << 30):
             model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_the_planners_decision_is_the_runtimes(dev: torch.device, tmp_path: Any,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`hsoffload plan --policy auto` on the same config, length and budget (the device's: no CUDA context or
+    allocator margin here) decides as the runtime does after calibration, layer by layer, at budgets between the
+    leanest choice and past the peak without checkpointing (each half-way between two counts of layers left
+    unchekpointed, where a few percent of the bytes do not change the answer)."""
+    from hsoffload import plan
+
+    with hsemu.copy_delay(0, 0, 0):
+        model, opt = _model(dev, layers=8)
+        model.config.save_pretrained(tmp_path)
+        for step in range(3):
+            ids = _ids(dev, SEQ, step)
+            with hsoffload.offload_hidden_states(model, policy="auto", device_budget=1 << 40, min_offload_size=0):
+                model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        ctl = auto.controller(model)
+        a = ctl.costs[0].held_none
+        rows = []
+        for k in range(9):
+            budget = int(ctl.lean_peak + (k + 0.5) * a)
+            with hsoffload.offload_hidden_states(model, policy="auto", device_budget=budget, min_offload_size=0):
+                pass  # a new budget: decided again on the same measurements
+            planned = plan.plan(plan.PlanInput(
+                config=str(tmp_path), seq_len=SEQ, dtype="float32", attn="math", policy="auto", device_bytes=budget,
+                overhead_bytes=0, fragmentation=0.0, host_ram_bytes=1 << 40, fsdp=False, optimizer="adamw",
+            )).auto_decision
+            runtime = [str(c) for c in ctl.decision.choices]
+            rows.append((budget, runtime, planned.choices))
+    agree = sum(r == p for _, rt, pl in rows for r, p in zip(rt, pl)) / sum(len(rt) for _, rt, _ in rows)
+    with capsys.disabled():
+        print(f"\nplan --policy auto vs the runtime, 8 layers, 9 budgets: {agree:.0%} of layer decisions agree")
+        for budget, rt, pl in rows:
+            print(f"  {budget / 2**20:7.2f} MiB  runtime {''.join(c[0] for c in rt)}  plan {''.join(c[0] for c in pl)}")
+    assert agree >= 0.9
