@@ -19,11 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # The suite in two children of about equal length, so that `make test`'s two workers can run them side by side:
-# the planner against the emulated allocator (test_device_peak.py), and everything else.
-# Each part with the least number of tests it must pass (today 9 and 111).
+# the planner and policy auto against the emulated allocator (test_device_peak.py, test_auto_emu.py), and everything
+# else. Each part with the least number of tests it must pass (today 16 and 112).
 PARTS = {
-    "planner_vs_allocator": (["tests/device/emu/test_device_peak.py"], 9),
-    "streams_faults_offload": (["tests/device/emu", "--ignore", "tests/device/emu/test_device_peak.py"], 100),
+    "planner_vs_allocator": (["tests/device/emu/test_device_peak.py", "tests/device/emu/test_auto_emu.py"], 16),
+    "streams_faults_offload": (["tests/device/emu", "--ignore", "tests/device/emu/test_device_peak.py",
+                                "--ignore", "tests/device/emu/test_auto_emu.py"], 100),
 }
 
 

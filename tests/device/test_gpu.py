@@ -228,6 +228,66 @@ def test_transformers_llama_on_gpu():
     assert scope.stats.offloaded_tensors == 4 and scope.stats.restored_tensors == 4
 
 
+def test_policy_auto_on_gpu_keeps_the_budget_and_the_gradients():
+    """policy auto on CUDA (issue 39): a budget half-way between the leanest choice's peak and no checkpointing's;
+    every step's peak under it, the decision mixing choices, gradients bit for bit plain checkpointing's (eager
+    attention: deterministic)."""
+    from hsoffload.offload import auto
+
+    ref, off = _cuda_llama_pair(1024, 4096, 4096)
+    for m in (ref, off):
+        enable_checkpointing(m, {"use_reentrant": False})
+    ids = torch.randint(0, 256, (1, 2048), device="cuda")
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.0)  # lr 0: the weights stay, every step compares alike
+    opt_off = torch.optim.SGD(off.parameters(), lr=0.0)
+
+    def peak_of(step) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    def plain(model, flags: bool):
+        for layer in model.model.layers:
+            layer.gradient_checkpointing = flags
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        for layer in model.model.layers:
+            layer.gradient_checkpointing = True
+
+    none_peak = peak_of(lambda: plain(ref, False))
+    lean_peak = peak_of(lambda: _lean(off))
+    budget = (lean_peak + none_peak) // 2
+    peaks, decided = [], None
+    for step in range(5):
+        ref(input_ids=ids, labels=ids).loss.backward()
+
+        def run():
+            with hsoffload.offload_hidden_states(off, policy="auto", device_budget=budget, min_offload_size=0):
+                off(input_ids=ids, labels=ids).loss.backward()
+
+        peaks.append(peak_of(run))
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), off.parameters())), step
+        for opt in (opt_ref, opt_off):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        decided = auto.controller(off).decision
+    _figure("policy_auto", budget_mib=budget / MiB, lean_mib=lean_peak / MiB, none_mib=none_peak / MiB,
+            peaks_mib=[p / MiB for p in peaks], choices=[str(c) for c in decided.choices],
+            predicted_peak_mib=decided.peak_bytes / MiB, predicted_step_ms=decided.step_s * 1e3,
+            measured_step_ms=[round(r.measured_step_s * 1e3, 2) for r in auto.controller(off).history])
+    assert max(peaks) <= budget, (peaks, budget)
+    assert decided is not None and decided.fits and decided.counts()["none"] >= 1
+
+
+def _lean(model) -> None:
+    with hsoffload.offload_hidden_states(model, min_offload_size=0):
+        model(input_ids=torch.randint(0, 256, (1, 2048), device="cuda"),
+              labels=torch.randint(0, 256, (1, 2048), device="cuda")).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("policy", ["sac", "all"])
 def test_policies_on_gpu_bitwise_and_free_memory(policy):
     """Policies "sac" (selective checkpointing) and "all" (no checkpointing) with real streams: bitwise equal to the

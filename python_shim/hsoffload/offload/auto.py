@@ -124,11 +124,12 @@ class AutoController:
 
     def __init__(self, model: torch.nn.Module, layer_cls: type, budget: Optional[int], calibration_steps: int,
                  report_only: bool) -> None:
-        self._model = weakref.ref(model)
-        self.layers: list[tuple[str, torch.nn.Module]] = [
-            (n.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""), m)
+        # The layers by weak reference: the controller is the value of a weak-keyed map whose key is the model, and
+        # a strong reference from it would keep the model alive forever.
+        self._layer_refs = [
+            (n.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""), weakref.ref(m))
             for n, m in model.named_modules() if isinstance(m, layer_cls)]
-        self.index = {id(m): i for i, (_, m) in enumerate(self.layers)}
+        self.index = {id(ref()): i for i, (_, ref) in enumerate(self._layer_refs)}
         self.budget_arg = budget
         self.budget: Optional[int] = budget
         self.calibration_steps = calibration_steps
@@ -151,6 +152,12 @@ class AutoController:
         self._step: Optional[dict[str, Any]] = None  # the step in progress
         self._layer_t0: Optional[tuple[int, float]] = None
         self._flags: dict[int, bool] = {}  # each layer's gradient_checkpointing before this controller set it
+
+    @property
+    def layers(self) -> list[tuple[str, torch.nn.Module]]:
+        """The decoder layers in forward order, with their names."""
+        out = [(name, ref()) for name, ref in self._layer_refs]
+        return [(name, m) for name, m in out if m is not None]
 
     # -- per layer call -----------------------------------------------------------------------------------------
 

@@ -253,3 +253,18 @@ def test_the_planners_decision_is_the_runtimes(dev: torch.device, tmp_path: Any,
         for budget, rt, pl in rows:
             print(f"  {budget / 2**20:7.2f} MiB  runtime {''.join(c[0] for c in rt)}  plan {''.join(c[0] for c in pl)}")
     assert agree >= 0.9
+
+
+def test_a_model_under_auto_is_freed_with_its_controller(dev: torch.device) -> None:
+    import gc
+    import weakref
+
+    model, opt = _model(dev, layers=2)
+    ids = _ids(dev, 128, 0)
+    with hsoffload.offload_hidden_states(model, policy="auto", device_budget=1 << 40, min_offload_size=0):
+        model(input_ids=ids, labels=ids).loss.backward()
+    ctl = weakref.ref(auto.controller(model))
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert ref() is None and ctl() is None, "the controller kept the model (or itself) alive"
