@@ -15,8 +15,10 @@ layer's extra (`extra_s`): the recompute, and for `offload` the part of its copy
 (the copy out) and than its recompute and backward (the copy back), plus one copy (the pipeline's fill) when any layer
 offloads. The device peak is a measured or modelled peak with every layer offloaded (`lean_peak_bytes`: the model
 states, the head, one layer's recompute) plus what the decision holds. Both are sums over layers, so the least-time
-decision under the budget is a multiple-choice knapsack, solved exactly over the Pareto front of (bytes held,
-time) (`_knapsack`); the pipeline's fill, the one term that is not a sum, by one knapsack per value it can take.
+decision under the budget is a multiple-choice knapsack, solved over the Pareto front of (bytes held, time)
+(`_knapsack`): exact while the front stays under FRONT_LIMIT states (always for layers alike; thinned past it, never
+over the budget); the pipeline's fill, the one term that is not a sum, by one knapsack per value it can take (up to
+FILL_LIMITS of them).
 
 Stdlib only (the planner imports it without torch).
 """

@@ -27,21 +27,27 @@ Thread-safety: a controller is used on the thread that runs the model's forward 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import logging
 import math
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from .._logging import log_once
 from ..choose import Choice, Decision, LayerCost, choose, predict
+from ..targets import LAYER_ATTR
 
 logger = logging.getLogger("hsoffload")
 
 BUDGET_FRACTION = 0.95  # without device_budget: this share of the device's memory
 PROBE_GUESS = 24  # a probe runs only if this many times the layer's input still fits under the budget
+BUCKET = 1.25  # a longer batch calibrates for at least this many times the longest calibrated (variable lengths)
+HISTORY = 1000  # steps kept in `history`
 
 
 @dataclasses.dataclass
@@ -129,6 +135,12 @@ class AutoController:
         self._layer_refs = [
             (n.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""), weakref.ref(m))
             for n, m in model.named_modules() if isinstance(m, layer_cls)]
+        unready = [n for n, ref in self._layer_refs if getattr(ref(), LAYER_ATTR, None) is None]
+        if unready:
+            raise ValueError(f"hsoffload: policy auto decides per layer whether to keep checkpointing, so it needs it "
+                             f"enabled first ({unready[0]} has no checkpoint function): "
+                             "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+                             "False})")
         self.index = {id(ref()): i for i, (_, ref) in enumerate(self._layer_refs)}
         self.budget_arg = budget
         self.budget: Optional[int] = budget
@@ -136,22 +148,33 @@ class AutoController:
         self.report_only = report_only
         self.pins: dict[str, Choice] = {}
         self.memory: Optional[DeviceMemory] = None
-        self.tokens = 0  # the longest batch calibrated (tokens of a layer's input)
-        self.calibrated = 0  # calibration steps done at `tokens`
+        self.tokens = 0  # the longest batch the costs are for (tokens of a layer's input; grows by BUCKET at least)
+        self.calibrated = 0  # calibration steps done for `tokens`
         self.probes: dict[tuple, _Probe] = {}
+        self.probe_tokens = 0  # the batch the probes ran at
         self.forward_s: dict[int, float] = {}  # per layer index, measured in the last calibration step
-        self.held_keep: dict[int, int] = {}
-        self.lean_peak: Optional[int] = None
+        self.forward_tokens = 0
+        self.held_keep: dict[int, int] = {}  # per layer index, at forward_tokens
+        self.lean_increase: Optional[int] = None  # the lean step's peak above what the step started with (scaled)
         self.lean_step_s: Optional[float] = None
+        self.start_bytes = 0  # device bytes allocated when the last step started (weights, optimizer states, ...)
+        self.decided_start_bytes = 0  # ... when the decision was made
+        self.forwards = 1  # forwards seen before one backward (several: each holds what the decision keeps)
         self.margin = 0  # bytes added to every predicted peak; grows by each overshoot seen
         self.decision: Optional[Decision] = None
         self.costs: list[LayerCost] = []
         self.decisions = 0
         self.replans = 0
-        self.history: list[StepRecord] = []
+        self.history: "collections.deque[StepRecord]" = collections.deque(maxlen=HISTORY)
+        self.decided_steps = 0
         self._step: Optional[dict[str, Any]] = None  # the step in progress
         self._layer_t0: Optional[tuple[int, float]] = None
         self._flags: dict[int, bool] = {}  # each layer's gradient_checkpointing before this controller set it
+
+    @property
+    def lean_peak(self) -> Optional[int]:
+        """The leanest choice's predicted peak now: what steps start with, plus the lean step's increase."""
+        return None if self.lean_increase is None else self.start_bytes + self.lean_increase
 
     @property
     def layers(self) -> list[tuple[str, torch.nn.Module]]:
@@ -171,20 +194,33 @@ class AutoController:
         if self.memory is None:
             self._bind_device(x.device)
         if i == 0:
-            self._new_step(scope, x)
+            if self._step is not None and self._step["hooked"] and "t1" not in self._step:
+                self._another_forward(scope)  # a forward before the last one's backward: one step, two graphs
+            else:
+                self._new_step(scope, x)
             if x.requires_grad:  # the step's measurements end when backward has passed the first layer
                 x.register_hook(self._first_layer_backward_done)
+            else:
+                log_once("auto-no-grad-input", logging.INFO,
+                         "hsoffload: policy auto: the first decoder layer's input does not require grad (frozen "
+                         "embeddings, LoRA without enable_input_require_grads): a step's peak and time are read "
+                         "when the next one starts, and include the optimizer's step")
         calibrating = self._step is not None and not self._step["decided"]
         if calibrating:
             self._time_previous_layer(i)
             if self._step["probe"]:
                 self._maybe_probe(layer, i, x, args, kwargs, run)
+                self.probe_tokens = self._step["tokens"]
             self.held_keep[i] = x.numel() * x.element_size()
+            self.forward_tokens = self._step["tokens"]
             self.memory.synchronize_compute()
             self._layer_t0 = (i, time.perf_counter())
 
     def _bind_device(self, device: torch.device) -> None:
         self.memory = DeviceMemory(device)
+        if self.memory.allocated() is None or self.memory.peak() is None:
+            raise RuntimeError(f"hsoffload: policy auto measures the device's allocator, and {device} gives no "
+                               "memory_allocated / max_memory_allocated: use another policy there")
         if self.budget is None:
             total = self.memory.total()
             if total is None:
@@ -206,6 +242,20 @@ class AutoController:
         """The layers run now offload nothing (a decision of only none and keep)."""
         return Choice.OFFLOAD not in self.choices()
 
+    def _another_forward(self, scope: Any) -> None:
+        """A forward whose first layer runs before the previous forward's backward reached it (two losses, one
+        backward): both hold what the decision keeps. Counted; a decision for one forward is made again for them."""
+        assert self._step is not None
+        self._step["forwards"] += 1
+        if self._step["forwards"] > self.forwards:
+            self.forwards = self._step["forwards"]
+            log_once("auto-forwards", logging.INFO, "hsoffload: policy auto: %d forwards before one backward: each "
+                     "holds what the decision keeps, and the decision counts them", self.forwards)
+            if self.decision is not None:
+                self._decide(f"{self.forwards} forwards before one backward")
+                self._step["decision"] = self.decision
+                self._apply(scope)
+
     def _first_layer_backward_done(self, grad: torch.Tensor) -> None:
         """The gradient of the first layer's input: every layer's backward ran. The step's peak and time are read
         here, before the optimizer step and the next batch (whose own peaks the decision does not move)."""
@@ -219,14 +269,22 @@ class AutoController:
             self._end_step(now)
         tokens = x.numel() // max(1, x.shape[-1])
         if tokens > self.tokens:
+            ceiling = tokens if not self.tokens else max(tokens, math.ceil(self.tokens * BUCKET))
             if self.tokens:
-                logger.info("hsoffload: policy auto: a batch of %d tokens, longer than the %d calibrated: this step "
-                            "runs every layer offloaded and calibrates again", tokens, self.tokens)
-            self.tokens, self.calibrated, self.decision = tokens, 0, None
+                logger.info("hsoffload: policy auto: a batch of %d tokens, longer than the %d the decision is for: "
+                            "this step runs every layer offloaded and calibrates again, for up to %d tokens", tokens,
+                            self.tokens, ceiling)
+            self.tokens, self.calibrated, self.decision, self.lean_increase = ceiling, 0, None, None
             self.probes.clear()
+        self.start_bytes = int(self.memory.allocated() or 0)
+        if (self.decision is not None and not self.report_only
+                and self.start_bytes > self.decided_start_bytes + 0.01 * self.budget):
+            self._decide(f"steps now start with {(self.start_bytes - self.decided_start_bytes) / 2**20:.1f} MiB more "
+                         "on the device (the optimizer's states, or another model)")
         decided = self.decision is not None
-        self._step = {"t0": now, "tokens": tokens, "decided": decided, "probe": not decided and self.calibrated == 0,
-                      "decision": self.decision}
+        self._step = {"t0": now, "tokens": tokens, "decided": decided, "probe": not decided and not self.probes,
+                      "decision": self.decision, "hooked": x.requires_grad, "forwards": 1,
+                      "start": self.start_bytes}
         self._apply(scope)
         self.memory.reset_peak()
         self._step["t0"] = self._sync_time()
@@ -235,31 +293,39 @@ class AutoController:
         self.memory.synchronize()
         return time.perf_counter()
 
-    def _end_step(self, now: float) -> None:  # noqa: ARG002
+    def _end_step(self, now: float) -> None:
         step = self._step
         assert step is not None
         if not step["decided"] and self._layer_t0 is not None:
             self._layer_t0 = None  # the last layer's forward: measured as the others' mean below
-        if "t1" not in step:  # no backward reached the first layer (a forward only, or another graph): not a step
-            self._step = None
-            return
+        if "t1" not in step:
+            if step["hooked"]:  # no backward reached the first layer (a forward only, or another graph): not a step
+                self._step = None
+                return
+            step["t1"], step["peak"] = now, self.memory.peak()  # no hook possible: up to this step's start
         peak = step["peak"]
         measured_s = step["t1"] - step["t0"]
         decision: Optional[Decision] = step["decision"]
-        rec = StepRecord(step["tokens"], step["decided"], decision.peak_bytes + self.margin if decision else None,
-                         peak, decision.step_s if decision else None, measured_s)
+        predicted = (decision.peak_bytes + self.margin + step["start"] - self.decided_start_bytes) if decision else None
+        rec = StepRecord(step["tokens"], step["decided"], predicted, peak, decision.step_s if decision else None,
+                         measured_s)
         self.history.append(rec)
         self._step = None
         if not step["decided"]:
-            if step["tokens"] == self.tokens:
-                self.calibrated += 1
-                self.lean_peak, self.lean_step_s = peak, measured_s
-                if self.calibrated >= self.calibration_steps:
-                    self._decide("calibrated")
+            # What the lean step added to what it started with, at the tokens the decision is for: bytes that grow
+            # with the length counted as growing with its square (attention without a fused kernel), time linearly.
+            f = self.tokens / max(1, step["tokens"])
+            self.calibrated += 1
+            increase = math.ceil((peak - step["start"]) * f * f)
+            self.lean_increase = max(self.lean_increase or 0, increase) if self.calibrated > 1 else increase
+            self.lean_step_s = measured_s * f
+            if self.calibrated >= self.calibration_steps:
+                self._decide("calibrated")
             return
         if decision is None or peak is None:
             return
-        if len([r for r in self.history if r.decided]) == 1 or peak > rec.predicted_peak_bytes:
+        self.decided_steps += 1
+        if self.decided_steps == 1 or peak > rec.predicted_peak_bytes:
             logger.info("hsoffload: policy auto: step measured %.1f MiB peak (predicted %.1f, budget %.1f), %.1f ms "
                         "(predicted %.1f)", peak / 2**20, rec.predicted_peak_bytes / 2**20, self.budget / 2**20,
                         measured_s * 1e3, decision.step_s * 1e3)
@@ -273,7 +339,7 @@ class AutoController:
     # -- the decision ---------------------------------------------------------------------------------------------
 
     def _decide(self, why: str) -> None:
-        assert self.lean_peak is not None and self.lean_step_s is not None
+        assert self.lean_increase is not None and self.lean_step_s is not None
         n = len(self.layers)
         # A layer's forward time: the mean over the layers of its kind (alike layers cost alike, whatever the timer's
         # noise; the decision then lays them out canonically, as the planner does).
@@ -288,14 +354,22 @@ class AutoController:
             probe = self.probes.get(_signature(layer))
             times = by_kind.get(_signature(layer))
             fwd = sum(times) / len(times) if times else mean_fwd
+            # At the tokens the decision is for: times linear in the tokens, bytes held quadratic for a probe (attention
+            # without a fused kernel) and linear for a layer's input; each forward in flight holds its own.
+            fp = self.tokens / max(1, self.probe_tokens)
+            ff = self.tokens / max(1, self.forward_tokens)
+            held_none = probe.held_none if probe else NEVER
             costs.append(LayerCost(
-                name=name, held_none=probe.held_none if probe else NEVER, held_keep=self.held_keep.get(k, NEVER),
-                forward_s=fwd, backward_s=probe.backward_s if probe else 2 * fwd, copy_s=probe.copy_s if probe else 0.0))
+                name=name, held_none=held_none if held_none >= NEVER else math.ceil(held_none * fp * fp * self.forwards),
+                held_keep=math.ceil(self.held_keep.get(k, NEVER) * ff * self.forwards) if k in self.held_keep else NEVER,
+                forward_s=fwd * ff, backward_s=(probe.backward_s * fp) if probe else 2 * fwd * ff,
+                copy_s=(probe.copy_s * fp) if probe else 0.0))
         lean = [Choice.OFFLOAD] * n
         _, lean_s = predict(costs, lean, 0, 0.0)
         fixed_s = self.lean_step_s - lean_s  # the step without any layer's extra: what the lean step measured, less
         budget = self.budget - self.margin
         self.costs = costs
+        self.decided_start_bytes = self.start_bytes
         self.decision = choose(costs, budget, self.lean_peak, fixed_s, self.pins)
         self.decisions += 1
         logger.info("hsoffload: policy auto, decision %d (%s; %d tokens; margin %.1f MiB)%s:\n%s", self.decisions,
@@ -338,9 +412,16 @@ class AutoController:
                         "it stays checkpointed", self.layers[i][0])
             self.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
             return
+        out_of_memory = False
         try:
             self.probes[sig] = self._probe(layer, x, args, kwargs, run)
         except torch.OutOfMemoryError:
+            out_of_memory = True
+        except RuntimeError as exc:  # other backends raise a plain RuntimeError
+            if "out of memory" not in str(exc).lower():
+                raise
+            out_of_memory = True
+        if out_of_memory:  # outside the handler: the partial forward's tensors are gone with its traceback
             logger.info("hsoffload: policy auto: %s ran out of memory without checkpointing: it stays checkpointed",
                         self.layers[i][0])
             self.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
@@ -370,10 +451,9 @@ class AutoController:
             return t
 
         flag = layer.gradient_checkpointing
-        devices = [x.device] if x.device.type == "cuda" else []
         layer.gradient_checkpointing = False
         try:
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with _forked_rng(x.device), _no_output_capture(), torch.enable_grad():
                 probe_x = x.detach().requires_grad_(True)
                 probe_args = (probe_x,) + tuple(args[1:]) if args else ()
                 probe_kwargs = kwargs if args else {**kwargs, "hidden_states": probe_x}
@@ -389,6 +469,39 @@ class AutoController:
         finally:
             layer.gradient_checkpointing = flag
         return _Probe(sum(saved.values()), backward_s, self._copy_s(x))
+
+
+@contextlib.contextmanager
+def _forked_rng(device: torch.device) -> Iterator[None]:
+    """The CPU generator, and the device's where its module has one, as they were after the block (the probe's
+    dropout must not move the step's)."""
+    mod = getattr(torch, device.type, None)
+    if device.type != "cpu" and mod is not None and hasattr(mod, "get_rng_state"):
+        with torch.random.fork_rng(devices=[device], device_type=device.type):
+            yield
+    else:
+        with torch.random.fork_rng(devices=[]):
+            yield
+
+
+@contextlib.contextmanager
+def _no_output_capture() -> Iterator[None]:
+    """transformers >= 5 collects hidden states, attentions and router logits through hooks into the model call's
+    collector: the probe's forward must not add to it (a second router-logits entry, a graph freed twice)."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        yield
+        return
+    collector = getattr(output_capturing, "_active_collector", None)
+    if collector is None:
+        yield
+        return
+    token = collector.set(None)
+    try:
+        yield
+    finally:
+        collector.reset(token)
 
 
 # One controller per model, beside it while it lives (the decision is the model's, across scopes and steps).
@@ -408,7 +521,7 @@ def controller_for(model: torch.nn.Module, layer_cls: type, config: Any) -> Auto
         ctl.calibration_steps = config.auto_calibration_steps
         if config.device_budget is not None and config.device_budget != ctl.budget_arg:
             ctl.budget_arg = ctl.budget = config.device_budget
-            if ctl.lean_peak is not None and ctl.calibrated >= ctl.calibration_steps:
+            if ctl.lean_increase is not None and ctl.calibrated >= ctl.calibration_steps:
                 ctl._decide("device_budget changed")
     return ctl
 
@@ -428,6 +541,12 @@ def pin(model: torch.nn.Module, pins: dict[str, str]) -> None:
     ctl.pins.update(parsed)
     if ctl.decision is not None:
         ctl._decide("pins changed")
+
+
+def report_unseen(layer: torch.nn.Module, why: str) -> None:
+    """A decoder layer policy auto cannot choose for (it runs as hidden_states): said once per cause."""
+    log_once(f"auto-unseen-{why}", logging.WARNING, "hsoffload: policy auto cannot choose for %s (%s): it runs as "
+             "policy hidden_states (every such layer checkpointed and offloaded)", type(layer).__name__, why)
 
 
 def controller(model: torch.nn.Module) -> Optional[AutoController]:

@@ -169,6 +169,10 @@ def _begin_compiled_layer(layer: torch.nn.Module, args: tuple, kwargs: dict) -> 
         return None, None, args, kwargs
     kwargs = dict(kwargs)
     diagnostics.report_compiled_layer(layer)
+    if scope.auto is not None:
+        from . import auto  # noqa: PLC0415  (policy auto only)
+
+        auto.report_unseen(layer, "a torch.compile'd model traces its layers")
     visit, args, _ = _begin_layer(scope, layer, args, kwargs, compiled=True)
     return scope, visit, args, kwargs
 
@@ -241,6 +245,10 @@ def _make_checkpoint_wrapper_forward(previous: Callable[..., Any], patch: ClassP
             return previous(self, *args, **kwargs)
         policy = scope.config.policy
         sac_policy = _policy.offloads_sac_saves(policy)
+        if scope.auto is not None:
+            from . import auto  # noqa: PLC0415  (policy auto only)
+
+            auto.report_unseen(layer, "torch.distributed's checkpoint_wrapper checkpoints it")
         visit = scope.layer_tracker.begin(layer, compiled=False, checkpointed=True)
         setattr(layer, _IN_CHECKPOINT_WRAPPER, True)
         try:

@@ -727,7 +727,7 @@ def max_seq(inp: PlanInput, step: int = 1024, target: Optional[int] = None) -> M
                                          step_overhead=predicted / plain - 1)
         rows.append(MaxSeqRow(**row))
     on_host = dataclasses.replace(base, cpu_offload="params")
-    fastest = _fastest(shape, rows, setups, device, local, target)
+    fastest = _fastest(shape, rows, setups, device, local, target, budget)
     return MaxSeqResult(
         model_type=shape.model_type, device_bytes=device_bytes, world_size=inp.world_size,
         model_states_device_bytes=pm.model_states_device_bytes(shape, base),
@@ -742,7 +742,7 @@ def max_seq(inp: PlanInput, step: int = 1024, target: Optional[int] = None) -> M
 
 
 def _fastest(shape: pm.ModelShape, rows: list[MaxSeqRow], setups: dict[tuple[str, str], tuple[pm.Setup, bool]],
-             device: timing.DeviceProfile, local: int, target: Optional[int]) -> Optional[Fastest]:
+             device: timing.DeviceProfile, local: int, target: Optional[int], budget: Budget) -> Optional[Fastest]:
     """Among the cells whose longest run reaches `target` tokens (default: the longest any reaches), the one of most
     tokens per second per rank at `target` (sequence parallelism splits a sequence over ranks: its step is shorter
     but each rank trains fewer tokens); the simpler combination (earlier row, checkpointing alone first) on a tie."""
@@ -756,6 +756,8 @@ def _fastest(shape: pm.ModelShape, rows: list[MaxSeqRow], setups: dict[tuple[str
         if seq % s.sequence_parallel:
             continue
         at = dataclasses.replace(s, seq_len=seq, tiled_mlp=_auto_tiles(shape, s, seq) if auto_tiles else s.tiled_mlp)
+        if not budget.fits(shape, at):  # the peak is not monotone in the length everywhere (the loss's chunks)
+            continue
         t = timing.step_time(shape, at, device, offloaded_layer_bytes(shape, at), local).total_s
         rate = at.tokens * at.grad_accum / t
         if best is None or rate > best.tokens_per_s * (1 + 1e-9):

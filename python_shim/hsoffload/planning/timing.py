@@ -230,8 +230,10 @@ def step_time(shape: ModelShape, s: Setup, p: DeviceProfile, offloaded_layer_byt
     states = model_states_device_bytes(shape, s)
     if s.states_on_host:
         params = shape.parameters() / (s.world_size if s.fsdp else 1)
-        transfers = 2 * params * s.dtype_bytes / link  # gradients down, weights up
-        parts["optimizer_on_host"] = params / p.host_adam_params_per_s + transfers
+        # The gradients go down after every micro-batch's backward (accumulated on the host); Adam runs on the host
+        # and the weights come up once per optimizer step.
+        parts["gradients_to_host"] = params * s.dtype_bytes / link
+        parts["optimizer_on_host"] = params / p.host_adam_params_per_s + params * s.dtype_bytes / link
     else:
         parts["optimizer"] = 2 * states / (p.hbm_gbps * GB)  # read and write every state once
     if s.grad_accum > 1:  # every micro-batch runs the layers, copies and collectives; the optimizer steps once

@@ -252,7 +252,7 @@ def gpu_main(argv: Optional[list[str]] = None) -> int:
         return 0
     device = torch.device("cuda")
     gbps = pinned_copy_peak(device, 1 << 28)["d2h_gbps"]
-    heads = args.hidden // 128
+    heads = max(1, args.hidden // 128)
     shapes = [Shape(hidden=args.hidden, intermediate=int(i), layers=args.layers, heads=heads, seq=args.seq,
                     vocab=32000, dtype="bfloat16") for i in args.intermediates.split(",")]
     points = sweep(((f"intermediate {s.intermediate}", s, gbps, _nothing) for s in shapes), device,
@@ -264,7 +264,7 @@ def gpu_main(argv: Optional[list[str]] = None) -> int:
     misses = verdict(points)
     for m in misses:
         logger.warning("step-time sweep: %s", m)
-    return 0
+    return 1 if misses else 0
 
 
 class _nothing:
