@@ -340,31 +340,32 @@ class AutoController:
 
     def _decide(self, why: str) -> None:
         assert self.lean_increase is not None and self.lean_step_s is not None
-        n = len(self.layers)
         # A layer's forward time: the mean over the layers of its kind (alike layers cost alike, whatever the timer's
         # noise; the decision then lays them out canonically, as the planner does).
+        layers = self.layers
+        kinds = [_signature(layer) for _, layer in layers]
         by_kind: dict[tuple, list[float]] = {}
-        for k, (_, layer) in enumerate(self.layers):
+        for k, kind in enumerate(kinds):
             if k in self.forward_s:
-                by_kind.setdefault(_signature(layer), []).append(self.forward_s[k])
+                by_kind.setdefault(kind, []).append(self.forward_s[k])
         known = [t for ts in by_kind.values() for t in ts]
         mean_fwd = sum(known) / len(known) if known else 0.0
+        # At the tokens the decision is for: times linear in the tokens, bytes held quadratic for a probe (attention
+        # without a fused kernel) and linear for a layer's input; each forward in flight holds its own.
+        fp = self.tokens / max(1, self.probe_tokens)
+        ff = self.tokens / max(1, self.forward_tokens)
         costs = []
-        for k, (name, layer) in enumerate(self.layers):
-            probe = self.probes.get(_signature(layer))
-            times = by_kind.get(_signature(layer))
+        for k, ((name, _), kind) in enumerate(zip(layers, kinds)):
+            probe = self.probes.get(kind)
+            times = by_kind.get(kind)
             fwd = sum(times) / len(times) if times else mean_fwd
-            # At the tokens the decision is for: times linear in the tokens, bytes held quadratic for a probe (attention
-            # without a fused kernel) and linear for a layer's input; each forward in flight holds its own.
-            fp = self.tokens / max(1, self.probe_tokens)
-            ff = self.tokens / max(1, self.forward_tokens)
             held_none = probe.held_none if probe else NEVER
             costs.append(LayerCost(
                 name=name, held_none=held_none if held_none >= NEVER else math.ceil(held_none * fp * fp * self.forwards),
                 held_keep=math.ceil(self.held_keep.get(k, NEVER) * ff * self.forwards) if k in self.held_keep else NEVER,
                 forward_s=fwd * ff, backward_s=(probe.backward_s * fp) if probe else 2 * fwd * ff,
                 copy_s=(probe.copy_s * fp) if probe else 0.0))
-        lean = [Choice.OFFLOAD] * n
+        lean = [Choice.OFFLOAD] * len(layers)
         _, lean_s = predict(costs, lean, 0, 0.0)
         fixed_s = self.lean_step_s - lean_s  # the step without any layer's extra: what the lean step measured, less
         budget = self.budget - self.margin

@@ -649,10 +649,8 @@ def _longest(shape: pm.ModelShape, s: pm.Setup, budget: Budget, step: int, auto_
     each length (ALST's choice)."""
 
     def ok(k: int) -> bool:
-        seq = k * step
         try:
-            candidate = dataclasses.replace(s, seq_len=seq,
-                                            tiled_mlp=_auto_tiles(shape, s, seq) if auto_tiles else s.tiled_mlp)
+            candidate = _at_length(shape, s, k * step, auto_tiles)
             candidate.check(shape)
         except PlanError:
             return False
@@ -717,8 +715,7 @@ def max_seq(inp: PlanInput, step: int = 1024, target: Optional[int] = None) -> M
             if column == "hsoffload" and inp.host_ram_bytes is not None:
                 row["hsoffload_host_limit"] = host_limit(shape, s, inp.host_ram_bytes, local, unit)
             if longest:
-                at = dataclasses.replace(s, seq_len=longest, tiled_mlp=_auto_tiles(shape, s, longest)
-                                         if change.get("tiled_mlp") == 0 else s.tiled_mlp)
+                at = _at_length(shape, s, longest, auto_tiles=change.get("tiled_mlp") == 0)
                 phase, dominant, _ = _peak_summary(shape, at)
                 predicted = timing.step_time(shape, at, device, offloaded_layer_bytes(shape, at), local).total_s
                 plain = timing.step_time(shape, at, device, [0] * shape.layers, local).total_s
@@ -755,7 +752,7 @@ def _fastest(shape: pm.ModelShape, rows: list[MaxSeqRow], setups: dict[tuple[str
         s, auto_tiles = setups[(knobs, col)]
         if seq % s.sequence_parallel:
             continue
-        at = dataclasses.replace(s, seq_len=seq, tiled_mlp=_auto_tiles(shape, s, seq) if auto_tiles else s.tiled_mlp)
+        at = _at_length(shape, s, seq, auto_tiles)
         if not budget.fits(shape, at):  # the peak is not monotone in the length everywhere (the loss's chunks)
             continue
         t = timing.step_time(shape, at, device, offloaded_layer_bytes(shape, at), local).total_s
@@ -763,6 +760,11 @@ def _fastest(shape: pm.ModelShape, rows: list[MaxSeqRow], setups: dict[tuple[str
         if best is None or rate > best.tokens_per_s * (1 + 1e-9):
             best = Fastest(seq_len=seq, knobs=knobs, column=col, step_time_s=t, tokens_per_s=rate)
     return best
+
+
+def _at_length(shape: pm.ModelShape, s: pm.Setup, seq: int, auto_tiles: bool) -> pm.Setup:
+    """`s` at `seq` tokens, its MLP tiled in hidden-size chunks at that length where `auto_tiles` (ALST's choice)."""
+    return dataclasses.replace(s, seq_len=seq, tiled_mlp=_auto_tiles(shape, s, seq) if auto_tiles else s.tiled_mlp)
 
 
 def _auto_tiles(shape: pm.ModelShape, s: pm.Setup, seq: int) -> int:

@@ -161,12 +161,17 @@ def exposed_d2h(offloaded: int, layers: int, layer_forward: float, per_copy: flo
     return max(0.0, last_copy_done - layers * layer_forward - head)
 
 
+def attention_flops(shape: ModelShape, s: Setup) -> float:
+    """One layer's attention forward on one rank. Each rank's share of attention is its tokens against the whole
+    sequence's keys (Ulysses: all tokens, 1/D of the heads; ring: its queries, every key over the passes). Causal:
+    half of QK^T's and AV's 2 x 2 x t x k x d."""
+    return 2 * s.tokens * s.seq_len * shape.heads * shape.head_dim
+
+
 def layer_times(shape: ModelShape, s: Setup, p: DeviceProfile) -> list[tuple[float, float]]:
     """Each decoder layer's forward and backward (seconds) on profile `p`."""
     rate = p.tflops * 1e12
-    # Each rank's share of attention is its tokens against the whole sequence's keys (Ulysses: all tokens, 1/D of
-    # the heads; ring: its queries, every key over the passes). Causal: half of QK^T's and AV's 2 x 2 x t x k x d.
-    attention = 2 * s.tokens * s.seq_len * shape.heads * shape.head_dim / rate
+    attention = attention_flops(shape, s) / rate
     out = []
     for i in range(shape.layers):
         linear = 2 * _active_layer_parameters(shape, is_moe_layer(shape, i)) * s.tokens / rate
@@ -181,7 +186,7 @@ def step_time(shape: ModelShape, s: Setup, p: DeviceProfile, offloaded_layer_byt
     rate = p.tflops * 1e12
     tokens = s.tokens
     q_width = shape.heads * shape.head_dim
-    attention = 2 * tokens * s.seq_len * q_width
+    attention = attention_flops(shape, s)
     times = layer_times(shape, s, p)
     forward = [f for f, _ in times]
     fwd = sum(forward)

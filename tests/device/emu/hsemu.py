@@ -19,7 +19,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -113,30 +113,30 @@ def set_copy_delay(h2d_us: int, d2h_us: int, d2d_us: int) -> None:
 
 
 @contextlib.contextmanager
-def copy_delay(h2d_us: int = 0, d2h_us: int = 0, d2d_us: int = 0) -> Iterator[None]:
-    """Delays every queued copy of each kind by that many microseconds inside the block."""
-    before = list(torch.ops.hsemu.copy_delay())
-    set_copy_delay(h2d_us, d2h_us, d2d_us)
+def _three_kinds(get: str, set_: Any, values: tuple[int, int, int]) -> Iterator[None]:
+    """`set_(*values)` (h2d, d2h, d2d) inside the block, what `torch.ops.hsemu.<get>()` gave before it after it."""
+    before = list(getattr(torch.ops.hsemu, get)())
+    set_(*values)
     try:
         yield
     finally:
-        set_copy_delay(*before)
+        set_(*before)
+
+
+def copy_delay(h2d_us: int = 0, d2h_us: int = 0, d2d_us: int = 0) -> contextlib.AbstractContextManager[None]:
+    """Delays every queued copy of each kind by that many microseconds inside the block."""
+    return _three_kinds("copy_delay", set_copy_delay, (h2d_us, d2h_us, d2d_us))
 
 
 def set_copy_rate(h2d_bytes_per_s: int, d2h_bytes_per_s: int, d2d_bytes_per_s: int) -> None:
     torch.ops.hsemu.set_copy_rate(h2d_bytes_per_s, d2h_bytes_per_s, d2d_bytes_per_s)
 
 
-@contextlib.contextmanager
-def copy_rate(h2d_bytes_per_s: int = 0, d2h_bytes_per_s: int = 0, d2d_bytes_per_s: int = 0) -> Iterator[None]:
+def copy_rate(h2d_bytes_per_s: int = 0, d2h_bytes_per_s: int = 0,
+              d2d_bytes_per_s: int = 0) -> contextlib.AbstractContextManager[None]:
     """Inside the block a queued copy of n bytes also sleeps n / rate (0: unlimited): copy time proportional to
     bytes, as on a bus of that bandwidth."""
-    before = list(torch.ops.hsemu.copy_rate())
-    set_copy_rate(h2d_bytes_per_s, d2h_bytes_per_s, d2d_bytes_per_s)
-    try:
-        yield
-    finally:
-        set_copy_rate(*before)
+    return _three_kinds("copy_rate", set_copy_rate, (h2d_bytes_per_s, d2h_bytes_per_s, d2d_bytes_per_s))
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ measured and predicted. `run` needs the device loaded; it imports torch and tran
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -255,7 +256,7 @@ def gpu_main(argv: Optional[list[str]] = None) -> int:
     heads = max(1, args.hidden // 128)
     shapes = [Shape(hidden=args.hidden, intermediate=int(i), layers=args.layers, heads=heads, seq=args.seq,
                     vocab=32000, dtype="bfloat16") for i in args.intermediates.split(",")]
-    points = sweep(((f"intermediate {s.intermediate}", s, gbps, _nothing) for s in shapes), device,
+    points = sweep(((f"intermediate {s.intermediate}", s, gbps, contextlib.nullcontext) for s in shapes), device,
                    torch.cuda.synchronize, "sdpa", args.repeats, args.steps, calibrate_each=True)
     print(report(points, f"step-time model vs measured on {torch.cuda.get_device_name(0)}: hidden {args.hidden}, "
                          f"{args.layers} layers, {args.seq} tokens, bf16; pinned copies {gbps:.1f} GB/s"))
@@ -265,14 +266,6 @@ def gpu_main(argv: Optional[list[str]] = None) -> int:
     for m in misses:
         logger.warning("step-time sweep: %s", m)
     return 1 if misses else 0
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 if __name__ == "__main__":
