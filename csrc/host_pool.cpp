@@ -1,6 +1,7 @@
 // The host pool (host_pool.h): slabs of host memory, sub-allocated into blocks of granule-rounded extents.
 #include "hsoffload/host_pool.h"
 
+#include "hsoffload/cpu_meter.h"
 #include "hsoffload/events.h"
 #include "hsoffload/host_budget.h"
 
@@ -30,6 +31,7 @@ int64_t pow2_ceil(int64_t n) {
 }  // namespace
 
 at::Tensor default_host_alloc(int64_t bytes, bool pinned) {
+  const HostAllocation host;  // offloaded copies: the CPU meter does not count them as the device's
   return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCPU).pinned_memory(pinned));
 }
 

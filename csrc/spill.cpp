@@ -1,6 +1,7 @@
 // The spill tier (spill.h): anonymous files, I/O threads, staging chunks. Stream order comes from transfer.h.
 #include "hsoffload/spill.h"
 
+#include "hsoffload/cpu_meter.h"
 #include "hsoffload/transfer.h"
 
 #include <ATen/Context.h>
@@ -81,6 +82,7 @@ bool accelerator_usable() {
 // buffer is replaced by a padded one.
 at::Tensor aligned_chunk(int64_t bytes, bool pinned, int64_t& held) {
   const auto options = at::TensorOptions().dtype(at::kByte).device(at::kCPU).pinned_memory(pinned);
+  const HostAllocation host;  // staging for spill files: the CPU meter does not count it as the device's
   at::Tensor raw = at::empty({bytes}, options);
   if (reinterpret_cast<uintptr_t>(raw.data_ptr()) % kBlock != 0) {
     raw = at::empty({bytes + kBlock}, options);

@@ -4,6 +4,7 @@
 #include "ops.h"
 #include "stats_dict.h"
 
+#include "hsoffload/cpu_meter.h"
 #include "hsoffload/host_pool.h"
 #include "hsoffload/local_size.h"
 #include "hsoffload/scope.h"
@@ -116,6 +117,12 @@ std::tuple<int64_t, std::string> local_size() {
   const hsoffload::LocalSize local = hsoffload::local_size();
   return {local.ranks, local.source};
 }
+
+bool cpu_meter_install() { return hsoffload::install_cpu_meter(); }
+
+c10::Dict<std::string, int64_t> cpu_meter_stats() { return to_dict(hsoffload::cpu_meter_stats()); }
+
+void cpu_meter_reset_peak() { hsoffload::reset_cpu_meter_peak(); }
 
 c10::Dict<std::string, int64_t> budget_stats() {
   BudgetStats s = global_host_budget()->stats();

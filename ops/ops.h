@@ -32,6 +32,9 @@ c10::Dict<std::string, int64_t> scope_spill_stats(const c10::intrusive_ptr<Offlo
 void set_host_budget(int64_t max_bytes);
 c10::Dict<std::string, int64_t> budget_stats();
 std::tuple<int64_t, std::string> local_size();
+bool cpu_meter_install();
+c10::Dict<std::string, int64_t> cpu_meter_stats();
+void cpu_meter_reset_peak();
 void mark_in(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x);
 bool is_marked(const c10::intrusive_ptr<OffloadScopeHolder>& self, const at::Tensor& x);
 c10::Dict<std::string, int64_t> process_stats();

@@ -60,6 +60,12 @@ TORCH_LIBRARY(hsoffload, m) {
       .def_static("budget_stats", &budget_stats)
       // The ranks on this node and the variable that said so ("" none): the one decider (hsoffload/local_size.h).
       .def_static("local_size", &local_size)
+      // The CPU meter (hsoffload/cpu_meter.h): a counting allocator in front of the CPU allocator, the figures
+      // policy "auto" reads when the device is the CPU. install: idempotent, false if another allocator keeps its
+      // place; stats: HSOFFLOAD_CPU_METER_STATS; reset_peak: peak := allocated now.
+      .def_static("cpu_meter_install", &cpu_meter_install)
+      .def_static("cpu_meter_stats", &cpu_meter_stats)
+      .def_static("cpu_meter_reset_peak", &cpu_meter_reset_peak)
       // True if the engine tells graph capture itself (torch >= 2.13's device guard); false: the caller passes
       // offload_pack's `capturing` flag.
       .def_static("engine_detects_capture", &engine_detects_capture)

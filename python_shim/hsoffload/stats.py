@@ -76,6 +76,17 @@ class BudgetStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class CpuMeterStats:
+    """The CPU meter (`OffloadScope.cpu_meter_stats()`): what the counting CPU allocator lent since it was installed
+    (policy "auto" reads it when the device is the CPU)."""
+
+    installed: bool = False
+    allocated_bytes: int = dataclasses.field(default=0, metadata={"snapshot": True})  # lent now, the host pool's not
+    peak_allocated_bytes: int = 0  # since the last reset
+    host_bytes: int = dataclasses.field(default=0, metadata={"snapshot": True})  # lent now to the host pool, spill
+
+
+@dataclasses.dataclass(frozen=True)
 class SpillStats:
     """I/O counters of a scope's spill store (`scope.spill_stats()`; zeros without spill_dir)."""
 

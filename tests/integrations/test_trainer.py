@@ -199,6 +199,35 @@ def test_sft_trainer(tmp_path: Path) -> None:
     assert [entry["hsoffload/offloaded_tensors"] for entry in logs] == [H.LAYERS, H.LAYERS]
 
 
+def test_sft_trainer_policy_auto_bitwise(tmp_path: Path) -> None:
+    """TRL's SFTTrainer with policy auto: the decision in transformers' log, the weights those of SFTTrainer alone."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    rows = [{"input_ids": b["input_ids"][0].tolist()} for b in H.batches(16)]
+    config = trl.SFTConfig(**current_training_args(dict(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, logging_steps=2, learning_rate=1e-3,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, report_to=[],
+        save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=7,
+        dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False,
+    )))
+    model = H.tiny_model("llama")
+    reference = H.twin(model)
+
+    def sft(m: torch.nn.Module) -> Any:
+        return trl.SFTTrainer(model=m, args=config, train_dataset=datasets.Dataset.from_list(rows),
+                              processing_class=_tiny_tokenizer())
+
+    with _transformers_warnings() as seen:
+        trainer = enable_hidden_state_offload(sft(model), **SCOPE, policy="auto", device_budget=64 << 10)
+        trainer.train()
+    sft(reference).train()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a, b), name
+    assert any("SFTTrainer: policy auto, decision" in m for m in seen), seen
+    last = _train_logs(trainer)[-1]
+    assert last["hsoffload/auto_offload_layers"] == H.LAYERS and last["hsoffload/offloaded_tensors"] > 0, last
+
+
 @pytest.mark.parametrize("policy", ["all", "sac"])
 def test_trainer_policies_with_layer_budget_bitwise(tmp_path: Path, policy: str) -> None:
     """The Trainer integration passes policy and layer budget through: bitwise equal to the same training without
@@ -227,3 +256,38 @@ def test_trainer_policies_with_layer_budget_bitwise(tmp_path: Path, policy: str)
     assert all(stats[f"model.layers.{i}"].offloaded_tensors > 0 for i in range(3))
     line = [m for m in seen if m.startswith("hsoffload: offload on")]
     assert len(line) == 1 and f"policy={policy}" in line[0] and "model.layers.3: kept (layer budget)" in line[0]
+
+
+@pytest.mark.parametrize("budget", [64 << 10, 1 << 30])
+def test_trainer_policy_auto_bitwise_with_the_decision_logged(tmp_path: Path, budget: int) -> None:
+    """policy auto through the Trainer on the CPU (hsoffload's counting CPU allocator): calibrated, decided, the
+    decision in transformers' log and as hsoffload/auto_* numbers in the training logs; the weights bit for bit those
+    of the same training without hsoffload, whatever it chose. A budget under the leanest choice's peak offloads every
+    layer (said in the table); a generous one checkpoints none."""
+    args = training_args(tmp_path, max_steps=6, logging_steps=3)
+    model = H.tiny_model("llama", layers=4)
+    reference = H.twin(model)
+    with _transformers_warnings() as seen:
+        trainer = enable_hidden_state_offload(
+            transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(32)),
+            **SCOPE, policy="auto", device_budget=budget, auto_calibration_steps=2,
+        )
+        trainer.train()
+    transformers.Trainer(model=reference, args=args, train_dataset=TokenDataset(32)).train()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a, b), name
+    tables = [m for m in seen if "policy auto, decision" in m]
+    assert tables, seen
+    logs = _train_logs(trainer)
+    last = logs[-1]
+    expected = ({"offload": 4, "keep": 0, "none": 0} if budget < 1 << 20 else {"offload": 0, "keep": 0, "none": 4})
+    assert {k: last[f"hsoffload/auto_{k}_layers"] for k in expected} == expected, last
+    assert last["hsoffload/auto_decisions"] >= 1
+    # The last log's window (3 optimizer steps) runs the decision alone: it offloads exactly when it chose to.
+    assert (last["hsoffload/offloaded_tensors"] > 0) == (expected["offload"] > 0), last
+    if budget < 1 << 20:
+        assert "DOES NOT FIT" in tables[-1]
+        assert last["hsoffload/auto_fits"] == 0
+    else:
+        assert last["hsoffload/auto_fits"] == 1
+        assert 0 < last["hsoffload/auto_measured_peak_gib"] <= last["hsoffload/auto_budget_gib"]

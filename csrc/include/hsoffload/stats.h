@@ -85,6 +85,14 @@ namespace hsoffload {
   X(direct_io, "1: the last file was opened with O_DIRECT")                                                       \
   X(staging_bytes, "host bytes of the I/O threads' staging chunks (pinned: as the host allocator holds them)")
 
+// The CPU meter (cpu_meter.h): what the CPU allocator lent since it was installed, as torch.cuda's memory_allocated
+// / max_memory_allocated tell of a GPU's.
+#define HSOFFLOAD_CPU_METER_STATS(X)                                                                                \
+  X(installed, "1: the counting allocator is the process's CPU allocator")                                        \
+  X(allocated_bytes, "bytes lent now to everything but the host pool (the device's, when the device is the CPU)") \
+  X(peak_allocated_bytes, "high-water mark of allocated_bytes since the last reset")                             \
+  X(host_bytes, "bytes lent now to the host pool and spill staging (offloaded copies: not the device's)")
+
 #define HSOFFLOAD_STATS_FIELD(name, doc) int64_t name = 0;
 #define HSOFFLOAD_STATS_PAIR(name, doc) {#name, s.name},
 
@@ -109,6 +117,10 @@ struct SpillStats {
   HSOFFLOAD_SPILL_STATS(HSOFFLOAD_STATS_FIELD)
 };
 
+struct CpuMeterStats {
+  HSOFFLOAD_CPU_METER_STATS(HSOFFLOAD_STATS_FIELD)
+};
+
 struct InitSkipStats {
   HSOFFLOAD_INIT_SKIP_STATS(HSOFFLOAD_STATS_FIELD)
 };
@@ -117,6 +129,7 @@ inline StatFields fields(const OffloadStats& s) { return {HSOFFLOAD_OFFLOAD_STAT
 inline StatFields fields(const PoolStats& s) { return {HSOFFLOAD_POOL_STATS(HSOFFLOAD_STATS_PAIR)}; }
 inline StatFields fields(const BudgetStats& s) { return {HSOFFLOAD_BUDGET_STATS(HSOFFLOAD_STATS_PAIR)}; }
 inline StatFields fields(const SpillStats& s) { return {HSOFFLOAD_SPILL_STATS(HSOFFLOAD_STATS_PAIR)}; }
+inline StatFields fields(const CpuMeterStats& s) { return {HSOFFLOAD_CPU_METER_STATS(HSOFFLOAD_STATS_PAIR)}; }
 inline StatFields fields(const InitSkipStats& s) { return {HSOFFLOAD_INIT_SKIP_STATS(HSOFFLOAD_STATS_PAIR)}; }
 
 #undef HSOFFLOAD_STATS_FIELD

@@ -71,6 +71,7 @@ class _TrainerOffload:
     checked: bool = False
     reported: bool = False
     layers: Optional[int] = None
+    auto_reported: int = 0  # policy auto: the decisions already said in transformers' log
 
     def first_step(self, trainer: Any) -> None:
         if self.checked:
@@ -91,7 +92,13 @@ class _TrainerOffload:
         self.layers = layers
 
     def after_step(self, trainer: Any) -> None:
-        """Once per run, after the first step: what is on, and what each decoder layer offloaded (one line)."""
+        """Once per run, after the first step: what is on, and what each decoder layer offloaded (one line); policy
+        auto: each new decision's table."""
+        auto = self.scope.auto
+        if auto is not None and auto.decisions > self.auto_reported:
+            self.auto_reported = auto.decisions
+            logging.getLogger("transformers.hsoffload").warning("hsoffload: %s: %s", type(trainer).__name__,
+                                                                 auto.report())
         if self.reported:
             return
         self.reported = True
@@ -116,6 +123,8 @@ class _TrainerOffload:
         now = self.scope.stats
         values = offload_log_values(now, self.logged)
         self.logged = now
+        if self.scope.auto is not None:
+            values.update({f"hsoffload/{k}": v for k, v in self.scope.auto.log_values().items()})
         return values
 
 

@@ -64,24 +64,41 @@ class StepRecord:
 
 class DeviceMemory:
     """The allocator's figures for one device, by torch.cuda's names on the device's module (torch.cuda, or an
-    out-of-tree backend's module that has them); None where it has none."""
+    out-of-tree backend's module that has them); None where it has none. A CPU device reads hsoffload's CPU meter
+    (a counting allocator in front of the CPU allocator, installed here): what it lent since, the host pool's copies
+    not counted."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._mod = getattr(torch, device.type, None) if device.type != "cpu" else None
+        self._meter: Optional[Any] = None
+        if device.type == "cpu":
+            engine = torch.classes.hsoffload.OffloadScope
+            if engine.cpu_meter_install():
+                self._meter = engine
+                log_once("auto-cpu-meter", logging.INFO, "hsoffload: policy auto on the CPU: memory is counted by "
+                         "hsoffload's counting CPU allocator from now on (what was allocated before is not counted; "
+                         "offloaded copies are host memory, not the device's)")
 
     def _call(self, name: str, *args: Any) -> Any:
         fn = getattr(self._mod, name, None)
         return fn(*args) if fn is not None else None
 
     def allocated(self) -> Optional[int]:
+        if self._meter is not None:
+            return int(self._meter.cpu_meter_stats()["allocated_bytes"])
         return self._call("memory_allocated", self.device)
 
     def peak(self) -> Optional[int]:
+        if self._meter is not None:
+            return int(self._meter.cpu_meter_stats()["peak_allocated_bytes"])
         return self._call("max_memory_allocated", self.device)
 
     def reset_peak(self) -> None:
-        self._call("reset_peak_memory_stats", self.device)
+        if self._meter is not None:
+            self._meter.cpu_meter_reset_peak()
+        else:
+            self._call("reset_peak_memory_stats", self.device)
 
     def total(self) -> Optional[int]:
         try:
@@ -164,6 +181,7 @@ class AutoController:
         self.decision: Optional[Decision] = None
         self.costs: list[LayerCost] = []
         self.decisions = 0
+        self.reason = ""  # why the last decision was made
         self.replans = 0
         self.history: "collections.deque[StepRecord]" = collections.deque(maxlen=HISTORY)
         self.decided_steps = 0
@@ -373,9 +391,36 @@ class AutoController:
         self.decided_start_bytes = self.start_bytes
         self.decision = choose(costs, budget, self.lean_peak, fixed_s, self.pins)
         self.decisions += 1
+        self.reason = why
         logger.info("hsoffload: policy auto, decision %d (%s; %d tokens; margin %.1f MiB)%s:\n%s", self.decisions,
                     why, self.tokens, self.margin / 2**20, " REPORT ONLY, every layer offloaded" if self.report_only
                     else "", self.decision.table(costs))
+
+    def report(self) -> str:
+        """The last decision: why it was made, and its table (empty before the first)."""
+        if self.decision is None:
+            return ""
+        return (f"policy auto, decision {self.decisions} ({self.reason}; {self.tokens} tokens)"
+                f"{' REPORT ONLY, every layer offloaded' if self.report_only else ''}:\n"
+                f"{self.decision.table(self.costs)}")
+
+    def log_values(self) -> dict[str, float]:
+        """Numbers for a trainer's logs (`hsoffload/auto_*`): the layers per choice run now, the decisions made, the
+        budget, and the last decided step's predicted and measured peak (GiB) and time (ms)."""
+        gib = float(1 << 30)
+        values: dict[str, float] = {f"auto_{c.value}_layers": 0.0 for c in Choice}
+        for c in self.choices():
+            values[f"auto_{c.value}_layers"] += 1
+        values["auto_decisions"] = float(self.decisions)
+        values["auto_fits"] = float(self.decision is not None and self.decision.fits)
+        values["auto_budget_gib"] = (self.budget or 0) / gib
+        last = next((r for r in reversed(self.history) if r.decided), None)
+        if last is not None:
+            values["auto_predicted_peak_gib"] = (last.predicted_peak_bytes or 0) / gib
+            values["auto_measured_peak_gib"] = (last.measured_peak_bytes or 0) / gib
+            values["auto_predicted_step_ms"] = (last.predicted_step_s or 0.0) * 1e3
+            values["auto_measured_step_ms"] = last.measured_step_s * 1e3
+        return values
 
     def choices(self) -> list[Choice]:
         """What each layer runs with now."""
