@@ -1,6 +1,7 @@
 """`axolotl train` with every config in configs/ meant for a CPU (`*-cpu-*.yaml`), on a tiny local model and data
 set built here: the losses with the hsoffload plugin are bit-identical to the same config without it, and the
-logs show that offload engaged (`hsoffload/offloaded_tensors`)."""
+logs show that offload engaged (`hsoffload/offloaded_tensors`; under policy auto, in its calibration and with the
+decision's table in the output)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,15 @@ def test_axolotl_train_bitwise_with_and_without_the_plugin(src: Path, tiny: dict
     ours = load_file(tmp_path / "plugin" / "output" / "model.safetensors")
     theirs = load_file(tmp_path / "stock" / "output" / "model.safetensors")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert all(float(e["hsoffload/offloaded_tensors"]) > 0 for e in logs), logs
+    if yaml.safe_load(src.read_text()).get("hsoffload_policy") == "auto":
+        # Calibration (the first step's micro-batches) offloads every layer; then the decision runs, its table in
+        # Axolotl's output and its layer counts in the logs.
+        assert float(logs[0]["hsoffload/offloaded_tensors"]) > 0, logs
+        assert "policy auto, decision 1" in text, text[-4000:]
+        assert all(sum(float(e[f"hsoffload/auto_{c}_layers"]) for c in ("none", "keep", "offload")) == 2
+                   for e in logs), logs
+    else:
+        assert all(float(e["hsoffload/offloaded_tensors"]) > 0 for e in logs), logs
     assert "hsoffload" in text and "hsoffload: offload on for" in text  # our lines reach Axolotl's output
 
 

@@ -34,6 +34,7 @@ import logging
 import math
 import time
 import weakref
+import zlib
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -41,6 +42,7 @@ import torch
 from .._logging import log_once
 from ..choose import Choice, Decision, LayerCost, choose, predict
 from ..targets import LAYER_ATTR
+from .ranks import Ranks
 
 logger = logging.getLogger("hsoffload")
 
@@ -121,7 +123,21 @@ class DeviceMemory:
 
 
 def _signature(layer: torch.nn.Module) -> tuple:
-    return (type(layer).__qualname__,) + tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
+    """A layer's kind: its class and its parameters' names, full shapes and dtypes (DeepSpeed ZeRO-3's `ds_shape`:
+    its partitioned parameters change shape as they are gathered and released)."""
+    return (type(layer).__qualname__,) + tuple((n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
+                                               for n, p in layer.named_parameters())
+
+
+def _sharded(layer: torch.nn.Module) -> bool:
+    """Whether the layer's parameters are shards that its forward gathers (FSDP2's DTensors or FSDP module, FSDP1's
+    flat-parameter views, DeepSpeed ZeRO-3's partitioned parameters)."""
+    if any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in layer.modules()):
+        return True
+    for p in layer.parameters():
+        if hasattr(p, "ds_id") or hasattr(p, "_local_tensor") or hasattr(p, "_is_flat_param") or p.numel() == 0:
+            return True
+    return False
 
 
 def _first_tensor(out: Any) -> Optional[torch.Tensor]:
@@ -185,6 +201,8 @@ class AutoController:
         self.replans = 0
         self.history: "collections.deque[StepRecord]" = collections.deque(maxlen=HISTORY)
         self.decided_steps = 0
+        self.ranks: Optional[Ranks] = None  # the job's ranks, agreeing on every decision (bound with the device)
+        self._pending: Optional[str] = None  # a reason to decide again at the next step's start (all ranks at once)
         self._step: Optional[dict[str, Any]] = None  # the step in progress
         self._layer_t0: Optional[tuple[int, float]] = None
         self._flags: dict[int, bool] = {}  # each layer's gradient_checkpointing before this controller set it
@@ -193,6 +211,12 @@ class AutoController:
     def lean_peak(self) -> Optional[int]:
         """The leanest choice's predicted peak now: what steps start with, plus the lean step's increase."""
         return None if self.lean_increase is None else self.start_bytes + self.lean_increase
+
+    @property
+    def predicted_peak(self) -> Optional[int]:
+        """The decision's predicted peak for a step that starts with what steps started with when it was made (the
+        margin included); None before a decision."""
+        return None if self.decision is None else self.decision.peak_bytes + self.margin
 
     @property
     def layers(self) -> list[tuple[str, torch.nn.Module]]:
@@ -236,6 +260,10 @@ class AutoController:
 
     def _bind_device(self, device: torch.device) -> None:
         self.memory = DeviceMemory(device)
+        self.ranks = Ranks()
+        if self.ranks.size > 1:
+            log_once("auto-ranks", logging.INFO, "hsoffload: policy auto: %d ranks agree on every decision (the "
+                     "largest costs, the smallest room) and apply it from the same step", self.ranks.size)
         if self.memory.allocated() is None or self.memory.peak() is None:
             raise RuntimeError(f"hsoffload: policy auto measures the device's allocator, and {device} gives no "
                                "memory_allocated / max_memory_allocated: use another policy there")
@@ -262,17 +290,26 @@ class AutoController:
 
     def _another_forward(self, scope: Any) -> None:
         """A forward whose first layer runs before the previous forward's backward reached it (two losses, one
-        backward): both hold what the decision keeps. Counted; a decision for one forward is made again for them."""
-        assert self._step is not None
+        backward): both hold what the decision keeps. Counted; a decision for one forward is made again for them (at
+        once in one process; at the next step on several ranks, which must decide together)."""
+        assert self._step is not None and self.ranks is not None
         self._step["forwards"] += 1
-        if self._step["forwards"] > self.forwards:
-            self.forwards = self._step["forwards"]
+        more = self._step["forwards"] > self.forwards
+        if self.ranks.size > 1:
+            # The same collective as a step's start: a rank that started a step here meets this one.
+            tokens, want = self.ranks.max([0, 1.0 if more else 0.0])
+            more = want > 0
+        if more:
+            self.forwards = max(self.forwards, self._step["forwards"])
             log_once("auto-forwards", logging.INFO, "hsoffload: policy auto: %d forwards before one backward: each "
                      "holds what the decision keeps, and the decision counts them", self.forwards)
             if self.decision is not None:
-                self._decide(f"{self.forwards} forwards before one backward")
-                self._step["decision"] = self.decision
-                self._apply(scope)
+                if self.ranks.size > 1:
+                    self._pending = f"{self.forwards} forwards before one backward"
+                else:
+                    self._decide(f"{self.forwards} forwards before one backward")
+                    self._step["decision"] = self.decision
+                    self._apply(scope)
 
     def _first_layer_backward_done(self, grad: torch.Tensor) -> None:
         """The gradient of the first layer's input: every layer's backward ran. The step's peak and time are read
@@ -282,10 +319,21 @@ class AutoController:
             self._step["peak"] = self.memory.peak()
 
     def _new_step(self, scope: Any, x: torch.Tensor) -> None:
+        assert self.ranks is not None and self.memory is not None
         now = self._sync_time()
-        if self._step is not None:
-            self._end_step(now)
-        tokens = x.numel() // max(1, x.shape[-1])
+        reason = self._end_step(now) if self._step is not None else None
+        reason, self._pending = reason or self._pending, None
+        local_tokens = tokens = x.numel() // max(1, x.shape[-1])
+        self.start_bytes = int(self.memory.allocated() or 0)
+        if (reason is None and self.decision is not None and not self.report_only
+                and self.start_bytes > self.decided_start_bytes + 0.01 * self.budget):
+            reason = (f"steps now start with {(self.start_bytes - self.decided_start_bytes) / 2**20:.1f} MiB more on "
+                      "the device (the optimizer's states, or another model)")
+        if self.ranks.size > 1:  # one collective per step on every rank: the longest batch, and whether to decide
+            longest, want = self.ranks.max([tokens, 1.0 if reason else 0.0])
+            tokens = int(longest)
+            if want and reason is None:
+                reason = "another rank's measurements changed (its peak, its start bytes or its calibration)"
         if tokens > self.tokens:
             ceiling = tokens if not self.tokens else max(tokens, math.ceil(self.tokens * BUCKET))
             if self.tokens:
@@ -294,15 +342,13 @@ class AutoController:
                             self.tokens, ceiling)
             self.tokens, self.calibrated, self.decision, self.lean_increase = ceiling, 0, None, None
             self.probes.clear()
-        self.start_bytes = int(self.memory.allocated() or 0)
-        if (self.decision is not None and not self.report_only
-                and self.start_bytes > self.decided_start_bytes + 0.01 * self.budget):
-            self._decide(f"steps now start with {(self.start_bytes - self.decided_start_bytes) / 2**20:.1f} MiB more "
-                         "on the device (the optimizer's states, or another model)")
+            reason = None
+        if reason is not None and self.lean_increase is not None and self.calibrated >= self.calibration_steps:
+            self._decide(reason)
         decided = self.decision is not None
-        self._step = {"t0": now, "tokens": tokens, "decided": decided, "probe": not decided and not self.probes,
+        self._step = {"t0": now, "tokens": local_tokens, "decided": decided, "probe": not decided and not self.probes,
                       "decision": self.decision, "hooked": x.requires_grad, "forwards": 1,
-                      "start": self.start_bytes}
+                      "start": self.start_bytes, "predicted": self.predicted_peak}
         self._apply(scope)
         self.memory.reset_peak()
         self._step["t0"] = self._sync_time()
@@ -311,7 +357,8 @@ class AutoController:
         self.memory.synchronize()
         return time.perf_counter()
 
-    def _end_step(self, now: float) -> None:
+    def _end_step(self, now: float) -> Optional[str]:
+        """Records the step that ended; returns why to decide again (None: the decision stands)."""
         step = self._step
         assert step is not None
         if not step["decided"] and self._layer_t0 is not None:
@@ -319,12 +366,12 @@ class AutoController:
         if "t1" not in step:
             if step["hooked"]:  # no backward reached the first layer (a forward only, or another graph): not a step
                 self._step = None
-                return
+                return None
             step["t1"], step["peak"] = now, self.memory.peak()  # no hook possible: up to this step's start
         peak = step["peak"]
         measured_s = step["t1"] - step["t0"]
         decision: Optional[Decision] = step["decision"]
-        predicted = (decision.peak_bytes + self.margin + step["start"] - self.decided_start_bytes) if decision else None
+        predicted = step["predicted"] + step["start"] - self.decided_start_bytes if decision else None
         rec = StepRecord(step["tokens"], step["decided"], predicted, peak, decision.step_s if decision else None,
                          measured_s)
         self.history.append(rec)
@@ -337,22 +384,21 @@ class AutoController:
             increase = math.ceil((peak - step["start"]) * f * f)
             self.lean_increase = max(self.lean_increase or 0, increase) if self.calibrated > 1 else increase
             self.lean_step_s = measured_s * f
-            if self.calibrated >= self.calibration_steps:
-                self._decide("calibrated")
-            return
+            return "calibrated" if self.calibrated >= self.calibration_steps else None
         if decision is None or peak is None:
-            return
+            return None
         self.decided_steps += 1
         if self.decided_steps == 1 or peak > rec.predicted_peak_bytes:
             logger.info("hsoffload: policy auto: step measured %.1f MiB peak (predicted %.1f, budget %.1f), %.1f ms "
                         "(predicted %.1f)", peak / 2**20, rec.predicted_peak_bytes / 2**20, self.budget / 2**20,
                         measured_s * 1e3, decision.step_s * 1e3)
         if peak > rec.predicted_peak_bytes:
-            self.margin += peak - rec.predicted_peak_bytes
-            if decision.peak_bytes + self.margin > self.budget:
+            over = peak - rec.predicted_peak_bytes
+            self.margin += over
+            if step["predicted"] + over > self.budget:
                 self.replans += 1
-                self._decide(f"the measured peak {peak / 2**20:.1f} MiB passed the prediction by "
-                             f"{(peak - rec.predicted_peak_bytes) / 2**20:.1f} MiB")
+                return f"the measured peak {peak / 2**20:.1f} MiB passed the prediction by {over / 2**20:.1f} MiB"
+        return None
 
     # -- the decision ---------------------------------------------------------------------------------------------
 
@@ -386,15 +432,51 @@ class AutoController:
         lean = [Choice.OFFLOAD] * len(layers)
         _, lean_s = predict(costs, lean, 0, 0.0)
         fixed_s = self.lean_step_s - lean_s  # the step without any layer's extra: what the lean step measured, less
-        budget = self.budget - self.margin
+        lean_peak = self.lean_peak
+        room = self.budget - self.margin - lean_peak
+        costs, fixed_s, room = self._agree(costs, fixed_s, room)
         self.costs = costs
         self.decided_start_bytes = self.start_bytes
-        self.decision = choose(costs, budget, self.lean_peak, fixed_s, self.pins)
+        self.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins)
         self.decisions += 1
         self.reason = why
         logger.info("hsoffload: policy auto, decision %d (%s; %d tokens; margin %.1f MiB)%s:\n%s", self.decisions,
                     why, self.tokens, self.margin / 2**20, " REPORT ONLY, every layer offloaded" if self.report_only
                     else "", self.decision.table(costs))
+
+    def request(self, why: str) -> None:
+        """Decide again (after calibration): now in one process, at the next step's start on several ranks (where
+        they all decide)."""
+        if self.lean_increase is None or self.calibrated < self.calibration_steps:
+            return
+        if self.ranks is None or self.ranks.size > 1:
+            self._pending = why
+        else:
+            self._decide(why)
+
+    def _agree(self, costs: list[LayerCost], fixed_s: float, room: int) -> tuple[list[LayerCost], float, int]:
+        """On several ranks: each layer's largest cost over the ranks, the longest fixed time and the smallest room,
+        so that the deterministic chooser makes one decision everywhere. Raises on every rank if the ranks' models
+        or pins differ (a decision for different layers cannot be one)."""
+        assert self.ranks is not None
+        if self.ranks.size == 1:
+            return costs, fixed_s, room
+        fields = ("held_none", "held_keep", "forward_s", "backward_s", "copy_s")
+        pins = zlib.crc32(repr(sorted((k, v.value) for k, v in self.pins.items())).encode())
+        shape = zlib.crc32(repr([c.name for c in costs]).encode())
+        flat = [float(getattr(c, f)) for c in costs for f in fields]
+        agreed = self.ranks.max(flat + [fixed_s, -room, shape, -shape, pins, -pins])
+        tail = agreed[len(flat):]
+        if tail[2] != -tail[3] or tail[4] != -tail[5]:
+            raise RuntimeError("hsoffload: policy auto: the ranks' models have different decoder layers, or "
+                               "auto.pin() was given different pins on different ranks; every rank must run the same "
+                               "model with the same pins (one decision is applied by all)")
+        out = []
+        for k, c in enumerate(costs):
+            v = agreed[k * len(fields):(k + 1) * len(fields)]
+            out.append(dataclasses.replace(c, held_none=int(v[0]), held_keep=int(v[1]), forward_s=v[2],
+                                           backward_s=v[3], copy_s=v[4]))
+        return out, tail[0], int(-tail[1])
 
     def report(self) -> str:
         """The last decision: why it was made, and its table (empty before the first)."""
@@ -453,9 +535,21 @@ class AutoController:
             return
         nbytes = x.numel() * x.element_size()
         allocated = self.memory.allocated()
-        if allocated is not None and allocated + PROBE_GUESS * nbytes > self.budget:
+        fits = allocated is None or allocated + PROBE_GUESS * nbytes <= self.budget
+        sharded = _sharded(layer)
+        assert self.ranks is not None
+        if self.ranks.size > 1:  # every rank probes the same layers, or none does
+            fits, unsharded = (v > 0 for v in self.ranks.min([1.0 if fits else 0.0, 0.0 if sharded else 1.0]))
+            sharded = not unsharded
+        if sharded:
+            log_once("auto-sharded", logging.INFO, "hsoffload: policy auto: the decoder layers' parameters are sharded "
+                     "(FSDP, DeepSpeed ZeRO-3): a layer is not probed without checkpointing (its forward and backward "
+                     "would gather the shards and reduce gradients outside the step), so every layer stays "
+                     "checkpointed and auto chooses between keeping and offloading its input")
+        elif not fits:
             logger.info("hsoffload: policy auto: %s is not probed without checkpointing (it might not fit the budget): "
                         "it stays checkpointed", self.layers[i][0])
+        if sharded or not fits:
             self.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
             return
         out_of_memory = False
@@ -567,8 +661,7 @@ def controller_for(model: torch.nn.Module, layer_cls: type, config: Any) -> Auto
         ctl.calibration_steps = config.auto_calibration_steps
         if config.device_budget is not None and config.device_budget != ctl.budget_arg:
             ctl.budget_arg = ctl.budget = config.device_budget
-            if ctl.lean_increase is not None and ctl.calibrated >= ctl.calibration_steps:
-                ctl._decide("device_budget changed")
+            ctl.request("device_budget changed")
     return ctl
 
 
@@ -585,8 +678,7 @@ def pin(model: torch.nn.Module, pins: dict[str, str]) -> None:
     if unknown:
         raise ValueError(f"hsoffload: pin() names layers this model does not have: {', '.join(unknown)}")
     ctl.pins.update(parsed)
-    if ctl.decision is not None:
-        ctl._decide("pins changed")
+    ctl.request("pins changed")
 
 
 def report_unseen(layer: torch.nn.Module, why: str) -> None:

@@ -1,0 +1,56 @@
+"""Agreement across ranks for policy "auto": every rank of a job applies one decision, from the same step on.
+
+Under ZeRO-3 and FSDP a layer's recompute gathers its parameters (collectives), so ranks that checkpoint different
+layers, or decide on different steps, fall out of step and hang. The controller (hsoffload.offload.auto) therefore
+takes every input of a decision through `Ranks`: once per micro-batch the things that start a decision (the longest
+batch, the bytes steps start with, a rank's wish to decide again), and at each decision the costs (the largest each
+rank measured), the room (the smallest) and the fixed time. The chooser is deterministic, so equal inputs give one
+decision on every rank.
+
+The collectives run on the default process group: on the CPU where its backend takes CPU tensors (gloo, mpi), on the
+current accelerator otherwise (nccl, ...). A process without torch.distributed, or with one rank, agrees with itself
+and runs no collective.
+
+Thread-safety: used on the thread that runs forward (the controller's), where the training loop's collectives run.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class Ranks:
+    """The ranks of the default process group, for small all-reduces of numbers (float64: bytes are exact below
+    2**53)."""
+
+    def __init__(self) -> None:
+        self.size = torch.distributed.get_world_size() if _dist_ready() else 1
+        self.rank = torch.distributed.get_rank() if _dist_ready() else 0
+        self._device = torch.device("cpu")
+        if self.size > 1:
+            backend = str(torch.distributed.get_backend()).lower()
+            if "gloo" not in backend and "mpi" not in backend:
+                accelerator = torch.accelerator.current_accelerator()
+                if accelerator is not None:
+                    self._device = torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+    def _reduce(self, values: Sequence[float], op: "torch.distributed.ReduceOp") -> list[float]:
+        if self.size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._device)
+        torch.distributed.all_reduce(t, op=op)
+        return t.tolist()
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        """Each value's largest over the ranks."""
+        return self._reduce(values, torch.distributed.ReduceOp.MAX) if self.size > 1 else [float(v) for v in values]
+
+    def min(self, values: Sequence[float]) -> list[float]:
+        """Each value's smallest over the ranks."""
+        return self._reduce(values, torch.distributed.ReduceOp.MIN) if self.size > 1 else [float(v) for v in values]

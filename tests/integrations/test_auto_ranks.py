@@ -1,0 +1,39 @@
+"""Policy auto on 2 ranks (gloo, CPU, hsoffload's counting CPU allocator), under FSDP2 and DeepSpeed ZeRO-3: the
+ranks train on batches of different lengths with different budgets, and make one decision, applied from the same
+step; the training is bit for bit the same without hsoffload. A hang shows as this test's timeout (the workers'
+collectives wait far longer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from support import launch
+
+WORKER = Path(__file__).resolve().parents[1] / "support" / "auto_worker.py"
+TIMEOUT_S = 240  # the workers' collective timeout is 1800 s
+
+
+@pytest.mark.parametrize("wrap", ["fsdp2", "zero3"])
+def test_two_ranks_agree_on_every_decision_and_train_bitwise(tmp_path: Path, wrap: str) -> None:
+    if wrap == "zero3":
+        pytest.importorskip("deepspeed")
+    proc = launch.two_ranks(WORKER, ["--wrap", wrap, "--out-dir", str(tmp_path)], timeout=TIMEOUT_S,
+                            deepspeed=wrap == "zero3")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["bitwise"], (r["auto"]["losses"], r["plain"]["losses"])
+    a0, a1 = r0["auto"], r1["auto"]
+    # One decision, applied from the same step on both ranks.
+    assert a0["runs"] == a1["runs"] and a0["decisions"] == a1["decisions"], (a0, a1)
+    layers = len(a0["runs"][0])
+    # Calibration (steps 0-1) offloads everything; rank 1's budget (under anything) binds rank 0 too (steps 2-3);
+    # with both budgets generous, every layer keeps its input (sharded layers are never left unchekpointed: their
+    # probe would gather shards outside the step).
+    assert a0["runs"][:4] == [["offload"] * layers] * 4, a0["runs"]
+    assert a0["runs"][5:] == [["keep"] * layers] * 3, a0["runs"]
+    assert a0["decisions"][-1] >= 2
+    assert "ranks agree on every decision" in proc.stderr
