@@ -141,6 +141,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("auto_calibration_steps", INT, 2, "policy auto: steps run with every layer offloaded, measuring, before "
            "the first decision", minimum=1, maximum=100),
     Option("auto_report_only", BOOL, False, "policy auto: decide and log, but keep every layer offloaded"),
+    Option("auto_state_path", PATH, None, "policy auto: a JSON file its measurements are saved to at each decision "
+           "and read from by a run that starts with it (same model, rank and world: no calibration); {rank} is "
+           "replaced by the rank (null: not saved; the Trainer integration uses <output_dir>/hsoffload_auto/)",
+           nullable=True),
     Option("keep_last_layers", INT, 0, "the last k decoder layers keep their tensors on the device", minimum=0,
            plan_flag="--keep-last-layers"),
     Option("offload_fraction", FLOAT, 1.0, "share of the other decoder layers (the first ones) that offload",

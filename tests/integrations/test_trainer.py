@@ -283,6 +283,8 @@ def test_trainer_policy_auto_bitwise_with_the_decision_logged(tmp_path: Path, bu
     expected = ({"offload": 4, "keep": 0, "none": 0} if budget < 1 << 20 else {"offload": 0, "keep": 0, "none": 4})
     assert {k: last[f"hsoffload/auto_{k}_layers"] for k in expected} == expected, last
     assert last["hsoffload/auto_decisions"] >= 1
+    # Kept for a resumed run, in the output directory (one file per rank).
+    assert (tmp_path / "hsoffload_auto" / "rank0.json").exists()
     # The last log's window (3 optimizer steps) runs the decision alone: it offloads exactly when it chose to.
     assert (last["hsoffload/offloaded_tensors"] > 0) == (expected["offload"] > 0), last
     if budget < 1 << 20:

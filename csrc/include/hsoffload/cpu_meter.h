@@ -4,7 +4,9 @@
 // blocks, spill staging) count as host memory: offloaded copies leave the device's count, as on a GPU.
 //
 // Process-wide by nature (a process has one CPU allocator), installed on first request and never removed (storages
-// it lent are freed through it for as long as they live). Only allocations made after the install are counted.
+// it lent are freed through it for as long as they live). Only allocations made after the install are counted, and
+// only those made through the CPU allocator: storages torch makes with c10's default CPU allocator directly (Python's
+// storage constructors: copy.deepcopy of a tensor, torch.load) are not.
 //
 // Blocks stay their own context (the CPU allocator's must: c10's raw_allocate asserts it); each block's size is kept
 // in a ledger keyed by its pointer. Thread-safety: every function may be called from any thread; counters are

@@ -30,6 +30,7 @@ In the Axolotl YAML::
     hsoffload_device_budget: null         # policy auto: device bytes a step may peak at (null: 95 % of the GPU)
     hsoffload_auto_calibration_steps: 2   # policy auto: measuring steps before the first decision
     hsoffload_auto_report_only: false     # policy auto: decide and log, keep every layer offloaded
+    hsoffload_auto_state_path: null       # policy auto: JSON of its measurements, reused on resume ({rank}: the rank)
     hsoffload_zero3_loading: false        # true, with a ZeRO-3 `deepspeed:` config: ranks other than rank 0 receive
                                           # only their partition while the model loads (hsoffload.zero3_loading)
     hsoffload_zero3_loading_verify: false # true: check every partition against rank 0's values (a checksum each)

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -84,6 +85,7 @@ class _TrainerOffload:
             rebind_compiled_layers(model)  # layers compiled at prepare time, before patch()
             layers = check_model(model, policy=self.scope.config.policy)
             self.scope.bind_model(model)
+            _keep_auto_state(self.scope, trainer)
         self.scope.report_layers = False  # the trainer logs the per-layer line itself, after the first step
         ds_config = trainer_deepspeed_config(trainer)
         if ds_config is not None and isinstance(model, torch.nn.Module) and zero_offload_host_bytes(ds_config, model):
@@ -126,6 +128,18 @@ class _TrainerOffload:
         if self.scope.auto is not None:
             values.update({f"hsoffload/{k}": v for k, v in self.scope.auto.log_values().items()})
         return values
+
+
+def _keep_auto_state(scope: OffloadScope, trainer: Any) -> None:
+    """Policy auto without auto_state_path: its measurements are kept in <output_dir>/hsoffload_auto/ (one file per
+    rank), so that a run resumed there decides at once, as the run it resumes did."""
+    auto = scope.auto
+    output_dir = getattr(getattr(trainer, "args", None), "output_dir", None)
+    if auto is None or auto.state_path is not None or not output_dir:
+        return
+    auto.state_path = os.path.join(output_dir, "hsoffload_auto", "rank{rank}.json")
+    logger.info("hsoffload: policy auto keeps its measurements in %s (auto_state_path): a resumed run reuses them",
+                auto.state_path)
 
 
 # Attributes under which TRL (`SFTTrainer`) and Axolotl keep the context of their own activation

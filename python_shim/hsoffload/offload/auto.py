@@ -30,8 +30,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import logging
 import math
+import os
 import time
 import weakref
 import zlib
@@ -50,6 +52,7 @@ BUDGET_FRACTION = 0.95  # without device_budget: this share of the device's memo
 PROBE_GUESS = 24  # a probe runs only if this many times the layer's input still fits under the budget
 BUCKET = 1.25  # a longer batch calibrates for at least this many times the longest calibrated (variable lengths)
 HISTORY = 1000  # steps kept in `history`
+STATE_VERSION = 1  # of the file auto_state_path names
 
 
 @dataclasses.dataclass
@@ -162,7 +165,7 @@ class AutoController:
     """policy "auto" for one model: calibration, the decision, its application and verification."""
 
     def __init__(self, model: torch.nn.Module, layer_cls: type, budget: Optional[int], calibration_steps: int,
-                 report_only: bool) -> None:
+                 report_only: bool, state_path: Optional[str] = None) -> None:
         # The layers by weak reference: the controller is the value of a weak-keyed map whose key is the model, and
         # a strong reference from it would keep the model alive forever.
         self._layer_refs = [
@@ -179,6 +182,9 @@ class AutoController:
         self.budget: Optional[int] = budget
         self.calibration_steps = calibration_steps
         self.report_only = report_only
+        self.state_path = state_path  # auto_state_path: measurements saved at each decision, read at the first step
+        self.restored: Optional[str] = None  # the file the measurements came from, when a run started with them
+        self._state_read = False
         self.pins: dict[str, Choice] = {}
         self.memory: Optional[DeviceMemory] = None
         self.tokens = 0  # the longest batch the costs are for (tokens of a layer's input; grows by BUCKET at least)
@@ -325,6 +331,9 @@ class AutoController:
         reason, self._pending = reason or self._pending, None
         local_tokens = tokens = x.numel() // max(1, x.shape[-1])
         self.start_bytes = int(self.memory.allocated() or 0)
+        if not self._state_read:
+            self._state_read = True
+            reason = self._restore() or reason
         if (reason is None and self.decision is not None and not self.report_only
                 and self.start_bytes > self.decided_start_bytes + 0.01 * self.budget):
             reason = (f"steps now start with {(self.start_bytes - self.decided_start_bytes) / 2**20:.1f} MiB more on "
@@ -440,9 +449,97 @@ class AutoController:
         self.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins)
         self.decisions += 1
         self.reason = why
+        self._save()
         logger.info("hsoffload: policy auto, decision %d (%s; %d tokens; margin %.1f MiB)%s:\n%s", self.decisions,
                     why, self.tokens, self.margin / 2**20, " REPORT ONLY, every layer offloaded" if self.report_only
                     else "", self.decision.table(costs))
+
+    # -- kept across restarts (auto_state_path) -----------------------------------------------------------------
+
+    def state_file(self) -> Optional[str]:
+        """This rank's state file: auto_state_path with {rank} replaced (on several ranks without {rank}: the rank
+        before the extension, so that ranks never write one file)."""
+        if self.state_path is None:
+            return None
+        rank, size = (self.ranks.rank, self.ranks.size) if self.ranks is not None else (0, 1)
+        path = self.state_path
+        if "{rank}" in path:
+            return path.replace("{rank}", str(rank))
+        if size > 1:
+            root, ext = os.path.splitext(path)
+            return f"{root}.rank{rank}{ext or '.json'}"
+        return path
+
+    def _identity(self) -> dict[str, Any]:
+        assert self.ranks is not None and self.memory is not None
+        return {"version": STATE_VERSION, "layers": [n for n, _ in self.layers],
+                "kinds": [repr(_signature(m)) for _, m in self.layers], "world": self.ranks.size,
+                "rank": self.ranks.rank, "device": self.memory.device.type}
+
+    def _save(self) -> None:
+        path = self.state_file()
+        if path is None:
+            return
+        kinds = {repr(k): k for k in self.probes}
+        state = {**self._identity(), "tokens": self.tokens, "calibrated": self.calibrated,
+                 "probe_tokens": self.probe_tokens, "forward_tokens": self.forward_tokens, "forwards": self.forwards,
+                 "margin": self.margin, "lean_increase": self.lean_increase, "lean_step_s": self.lean_step_s,
+                 "forward_s": {str(k): v for k, v in self.forward_s.items()},
+                 "held_keep": {str(k): v for k, v in self.held_keep.items()},
+                 "probes": {r: dataclasses.asdict(self.probes[k]) for r, k in kinds.items()},
+                 "choices": [c.value for c in self.decision.choices] if self.decision else None}
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, path)  # a reader never sees half a file
+        except OSError as exc:
+            log_once(f"auto-save-{path}", logging.WARNING, "hsoffload: policy auto could not save its measurements "
+                     "to %s (%s): a restarted run calibrates again", path, exc)
+
+    def _restore(self) -> Optional[str]:
+        """At the first step: the saved measurements, if the file matches this model, rank and world (on every
+        rank, or on none). Returns the reason to decide, or None (calibrate)."""
+        assert self.ranks is not None
+        path = self.state_file()
+        if path is None:
+            return None
+        state: Optional[dict[str, Any]] = None
+        why = ""
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except FileNotFoundError:
+            why = "no file yet"
+        except (OSError, ValueError) as exc:
+            why = f"unreadable: {exc}"
+        if state is not None:
+            expected = self._identity()
+            differ = [k for k in expected if state.get(k) != expected[k]]
+            if differ:
+                why = f"it was saved for another {', '.join(differ)}"
+                state = None
+        ok = state is not None
+        if self.ranks.size > 1:
+            ok = self.ranks.min([1.0 if ok else 0.0])[0] > 0
+            if not ok and state is not None:
+                why = "another rank has no matching file"
+        if not ok:
+            logger.info("hsoffload: policy auto: calibrating (%s not reused: %s)", path, why)
+            return None
+        assert state is not None
+        kinds = {repr(_signature(m)): _signature(m) for _, m in self.layers}
+        self.tokens, self.probe_tokens, self.forward_tokens = state["tokens"], state["probe_tokens"], state["forward_tokens"]
+        self.calibrated = max(int(state["calibrated"]), self.calibration_steps)
+        self.forwards, self.margin = int(state["forwards"]), int(state["margin"])
+        self.lean_increase, self.lean_step_s = int(state["lean_increase"]), float(state["lean_step_s"])
+        self.forward_s = {int(k): float(v) for k, v in state["forward_s"].items()}
+        self.held_keep = {int(k): int(v) for k, v in state["held_keep"].items()}
+        self.probes = {kinds[r]: _Probe(**p) for r, p in state["probes"].items() if r in kinds}
+        self.restored = path
+        logger.info("hsoffload: policy auto: measurements of %d tokens read from %s: no calibration", self.tokens, path)
+        return f"measurements read from {path}"
 
     def request(self, why: str) -> None:
         """Decide again (after calibration): now in one process, at the next step's start on several ranks (where
@@ -654,11 +751,13 @@ def controller_for(model: torch.nn.Module, layer_cls: type, config: Any) -> Auto
     ctl = _controllers.get(model)
     if ctl is None:
         ctl = AutoController(model, layer_cls, config.device_budget, config.auto_calibration_steps,
-                             config.auto_report_only)
+                             config.auto_report_only, config.auto_state_path)
         _controllers[model] = ctl
     else:
         ctl.report_only = config.auto_report_only
         ctl.calibration_steps = config.auto_calibration_steps
+        if config.auto_state_path is not None:
+            ctl.state_path = config.auto_state_path
         if config.device_budget is not None and config.device_budget != ctl.budget_arg:
             ctl.budget_arg = ctl.budget = config.device_budget
             ctl.request("device_budget changed")

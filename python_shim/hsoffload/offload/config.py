@@ -62,10 +62,11 @@ class OffloadConfig:
     offload_fraction: float = _default("offload_fraction")  # share of the other decoder layers (the first) that offload
     offload_output_head: bool = _default("offload_output_head")  # policy "all": also the saves of the output head
     # Policy "auto" (hsoffload.offload.auto): the device bytes a step may peak at (None: the device's memory less 5 %),
-    # the steps that measure before the first decision, and deciding without applying.
+    # the steps that measure before the first decision, deciding without applying, and where its measurements are kept.
     device_budget: Optional[int] = _default("device_budget")
     auto_calibration_steps: int = _default("auto_calibration_steps")
     auto_report_only: bool = _default("auto_report_only")
+    auto_state_path: Optional[str] = _default("auto_state_path")  # measurements saved and reused across restarts
 
     def __post_init__(self) -> None:
         for option in options.CONFIG_OPTIONS:
