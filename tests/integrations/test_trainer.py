@@ -13,6 +13,7 @@ import transformers
 
 from support import hf_tiny as H
 import hsoffload
+from hsoffload.offload.auto import controller as auto_controller
 from hsoffload.targets import current_training_args
 from hsoffload.integrations import HiddenStateOffloadMixin, enable_hidden_state_offload, with_hidden_state_offload
 
@@ -258,7 +259,7 @@ def test_trainer_policies_with_layer_budget_bitwise(tmp_path: Path, policy: str)
     assert len(line) == 1 and f"policy={policy}" in line[0] and "model.layers.3: kept (layer budget)" in line[0]
 
 
-@pytest.mark.parametrize("budget", [64 << 10, 1 << 30])
+@pytest.mark.parametrize("budget", [64 << 10, 2 << 20])
 def test_trainer_policy_auto_bitwise_with_the_decision_logged(tmp_path: Path, budget: int) -> None:
     """policy auto through the Trainer on the CPU (hsoffload's counting CPU allocator): calibrated, decided, the
     decision in transformers' log and as hsoffload/auto_* numbers in the training logs; the weights bit for bit those
@@ -283,6 +284,12 @@ def test_trainer_policy_auto_bitwise_with_the_decision_logged(tmp_path: Path, bu
     expected = ({"offload": 4, "keep": 0, "none": 0} if budget < 1 << 20 else {"offload": 0, "keep": 0, "none": 4})
     assert {k: last[f"hsoffload/auto_{k}_layers"] for k in expected} == expected, last
     assert last["hsoffload/auto_decisions"] >= 1
+    # The two micro-batches of each optimizer step (gradient accumulation 2) run with one decision.
+    history = list(auto_controller(model).history)
+    assert len(history) == 2 * args.max_steps * args.gradient_accumulation_steps // 2 - 1
+    if budget >= 1 << 20:
+        pairs = [(history[i].decision_index, history[i + 1].decision_index) for i in range(0, len(history) - 1, 2)]
+        assert all(a == b for a, b in pairs) and pairs[-1][0] > 0, pairs
     # Kept for a resumed run, in the output directory (one file per rank).
     assert (tmp_path / "hsoffload_auto" / "rank0.json").exists()
     # The last log's window (3 optimizer steps) runs the decision alone: it offloads exactly when it chose to.

@@ -65,6 +65,7 @@ class StepRecord:
     measured_peak_bytes: Optional[int]
     predicted_step_s: Optional[float]
     measured_step_s: float
+    decision_index: int = 0  # the decision it ran with (controller.decisions then; 0: none)
 
 
 class DeviceMemory:
@@ -196,7 +197,10 @@ class AutoController:
         self.held_keep: dict[int, int] = {}  # per layer index, at forward_tokens
         self.lean_increase: Optional[int] = None  # the lean step's peak above what the step started with (scaled)
         self.lean_step_s: Optional[float] = None
-        self.start_bytes = 0  # device bytes allocated when the last step started (weights, optimizer states, ...)
+        self.start_bytes = 0  # device bytes steps start with (weights, optimizer states, ...): the most of the last
+        # optimizer step's micro-batches and this one's
+        self._cycle_starts = (0, 0)  # the most micro-batches started with: the last optimizer step's, this one's
+        self._optimizer_steps_seen = 0
         self.decided_start_bytes = 0  # ... when the decision was made
         self.forwards = 1  # forwards seen before one backward (several: each holds what the decision keeps)
         self.margin = 0  # bytes added to every predicted peak; grows by each overshoot seen
@@ -325,24 +329,40 @@ class AutoController:
             self._step["peak"] = self.memory.peak()
 
     def _new_step(self, scope: Any, x: torch.Tensor) -> None:
+        """A micro-batch starts: the last one is recorded; a decision is made when one is due, at an optimizer step's
+        first micro-batch (micro-batches of one step share a decision) unless the running one no longer fits."""
         assert self.ranks is not None and self.memory is not None
         now = self._sync_time()
         reason = self._end_step(now) if self._step is not None else None
         reason, self._pending = reason or self._pending, None
         local_tokens = tokens = x.numel() // max(1, x.shape[-1])
-        self.start_bytes = int(self.memory.allocated() or 0)
+        start = int(self.memory.allocated() or 0)
+        boundary = _optimizer_steps.at_boundary(self)
+        # Decisions count what steps start with at the most over the last optimizer step's micro-batches (the later
+        # ones start with the gradients the first accumulated).
+        if boundary:
+            self._cycle_starts = (self._cycle_starts[1], start)
+        else:
+            self._cycle_starts = (self._cycle_starts[0], max(self._cycle_starts[1], start))
+        self.start_bytes = max(self._cycle_starts)
         if not self._state_read:
             self._state_read = True
             reason = self._restore() or reason
         if (reason is None and self.decision is not None and not self.report_only
                 and self.start_bytes > self.decided_start_bytes + 0.01 * self.budget):
             reason = (f"steps now start with {(self.start_bytes - self.decided_start_bytes) / 2**20:.1f} MiB more on "
-                      "the device (the optimizer's states, or another model)")
-        if self.ranks.size > 1:  # one collective per step on every rank: the longest batch, and whether to decide
-            longest, want = self.ranks.max([tokens, 1.0 if reason else 0.0])
-            tokens = int(longest)
-            if want and reason is None:
-                reason = "another rank's measurements changed (its peak, its start bytes or its calibration)"
+                      "the device (the optimizer's states, gradients, or another model)")
+        # 0: nothing to decide; 1: a decision is due (at the next optimizer step); 2: the running one does not fit.
+        want = 0 if reason is None else 1
+        if reason is not None and self.decision is not None and self.decision.fits and (
+                self.predicted_peak + start - self.decided_start_bytes > self.budget):
+            want = 2
+        if self.ranks.size > 1:  # one collective per micro-batch on every rank: tokens, wishes, the step boundary
+            longest, want_any, not_boundary = self.ranks.max([tokens, want, 0.0 if boundary else 1.0])
+            tokens, boundary = int(longest), not_boundary == 0
+            if want_any > want:
+                reason = reason or "another rank's measurements changed (its peak, its start bytes or its calibration)"
+                want = int(want_any)
         if tokens > self.tokens:
             ceiling = tokens if not self.tokens else max(tokens, math.ceil(self.tokens * BUCKET))
             if self.tokens:
@@ -353,11 +373,14 @@ class AutoController:
             self.probes.clear()
             reason = None
         if reason is not None and self.lean_increase is not None and self.calibrated >= self.calibration_steps:
-            self._decide(reason)
+            if boundary or want == 2:
+                self._decide(reason)
+            else:
+                self._pending = reason  # kept for the next optimizer step's first micro-batch
         decided = self.decision is not None
         self._step = {"t0": now, "tokens": local_tokens, "decided": decided, "probe": not decided and not self.probes,
-                      "decision": self.decision, "hooked": x.requires_grad, "forwards": 1,
-                      "start": self.start_bytes, "predicted": self.predicted_peak}
+                      "decision": self.decision, "hooked": x.requires_grad, "forwards": 1, "start": start,
+                      "predicted": self.predicted_peak, "index": self.decisions}
         self._apply(scope)
         self.memory.reset_peak()
         self._step["t0"] = self._sync_time()
@@ -382,7 +405,7 @@ class AutoController:
         decision: Optional[Decision] = step["decision"]
         predicted = step["predicted"] + step["start"] - self.decided_start_bytes if decision else None
         rec = StepRecord(step["tokens"], step["decided"], predicted, peak, decision.step_s if decision else None,
-                         measured_s)
+                         measured_s, step["index"] if decision else 0)
         self.history.append(rec)
         self._step = None
         if not step["decided"]:
@@ -740,6 +763,32 @@ def _no_output_capture() -> Iterator[None]:
     finally:
         collector.reset(token)
 
+
+class _OptimizerSteps:
+    """Counts optimizer steps in the process (torch.optim's global step post-hook, registered at first use), so that a
+    controller can tell an optimizer step's first micro-batch. Process-wide by nature (the hook is); incremented on
+    the thread that steps the optimizer, read on the one that runs forward (the same, in a training loop)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._hooked = False
+
+    def _step(self, *_: Any) -> None:
+        self.count += 1
+
+    def at_boundary(self, ctl: AutoController) -> bool:
+        """Whether `ctl`'s micro-batch starting now is an optimizer step's first: an optimizer stepped since its last
+        micro-batch, or none ever did (then every micro-batch is one)."""
+        if not self._hooked:
+            self._hooked = True
+            from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: PLC0415
+
+            register_optimizer_step_post_hook(self._step)
+        seen, ctl._optimizer_steps_seen = ctl._optimizer_steps_seen, self.count
+        return self.count == 0 or self.count != seen
+
+
+_optimizer_steps = _OptimizerSteps()
 
 # One controller per model, beside it while it lives (the decision is the model's, across scopes and steps).
 _controllers: "weakref.WeakKeyDictionary[torch.nn.Module, AutoController]" = weakref.WeakKeyDictionary()
