@@ -4,17 +4,19 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <array>
 #include <atomic>
-#include <memory>
+#include <cstdint>
 #include <mutex>
+#include <new>
 #include <unordered_map>
+#include <utility>
 
 namespace hsoffload {
 namespace {
 
 // The counters (process-wide: there is one CPU allocator). Atomics: allocations and frees come from every thread.
 struct Counters {
-  std::atomic<bool> installed{false};
   std::atomic<int64_t> allocated{0};
   std::atomic<int64_t> peak{0};
   std::atomic<int64_t> host{0};
@@ -33,33 +35,62 @@ void raise_peak(Counters& c, int64_t now) {
   }
 }
 
+// Storage for an object built once and never destroyed: blocks the meter lent are freed until the process's very
+// end (other libraries' static destructors, the host pool's among them), after any static destructor of ours would
+// have run. Placement new into static storage: no heap allocation, nothing to free.
+template <typename T>
+class NoDestructor {
+ public:
+  template <typename... Args>
+  explicit NoDestructor(Args&&... args) {
+    new (storage_) T(std::forward<Args>(args)...);
+  }
+  NoDestructor(const NoDestructor&) = delete;
+  NoDestructor& operator=(const NoDestructor&) = delete;
+  T& get() { return *std::launder(reinterpret_cast<T*>(storage_)); }
+
+ private:
+  alignas(T) unsigned char storage_[sizeof(T)];
+};
+
 // What each counted block is uncounted by at its free: its bytes, and whether they were host memory. Keyed by the
-// data pointer, since the CPU allocator's blocks must be their own context (raw_allocate asserts it).
+// data pointer, since the CPU allocator's blocks must be their own context (raw_allocate asserts it). Striped by
+// pointer, so that threads allocating at once (intra-op workers) rarely share a lock.
 struct Lent {
   int64_t bytes;
   bool host;
 };
 
-struct Ledger {
+constexpr size_t kStripes = 16;
+
+struct Stripe {
   std::mutex mutex;
   std::unordered_map<void*, Lent> blocks;  // guarded by mutex
+};
+
+struct Ledger {
+  std::array<Stripe, kStripes> stripes;
   c10::DeleterFnPtr inner_free = nullptr;  // the inner allocator's raw deleter (set once, before any block)
+  c10::Allocator* meter = nullptr;         // the counting allocator, once installed
+
+  Stripe& stripe(void* data) { return stripes[(reinterpret_cast<uintptr_t>(data) >> 6) % kStripes]; }
 };
 
 Ledger& ledger() {
-  static Ledger l;  // process-wide, like the allocator it serves
-  return l;
+  static NoDestructor<Ledger> l;  // process-wide, like the allocator it serves; never destroyed (see NoDestructor)
+  return l.get();
 }
 
 void give_back(void* data) {
   Ledger& l = ledger();
+  Stripe& stripe = l.stripe(data);
   Lent lent{0, false};
   {
-    const std::lock_guard<std::mutex> lock(l.mutex);
-    const auto it = l.blocks.find(data);
-    if (it != l.blocks.end()) {
+    const std::lock_guard<std::mutex> lock(stripe.mutex);
+    const auto it = stripe.blocks.find(data);
+    if (it != stripe.blocks.end()) {
       lent = it->second;
-      l.blocks.erase(it);
+      stripe.blocks.erase(it);
     }
   }
   (lent.host ? counters().host : counters().allocated).fetch_sub(lent.bytes);
@@ -73,17 +104,18 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = inner_->allocate(n);
     void* data = inner.get();
-    const c10::Device device = inner.device();
-    if (data == nullptr) {
-      return inner;  // nothing lent (n == 0)
+    if (data == nullptr || inner.get_context() != data || inner.get_deleter() != ledger().inner_free) {
+      return inner;  // nothing lent (n == 0), or a block that is not its own context: passed on uncounted
     }
-    inner.release_context();  // the block is its own context: from here on give_back frees it
     const auto bytes = static_cast<int64_t>(n);
     const bool host = t_host_allocation;
+    Stripe& stripe = ledger().stripe(data);
     {
-      const std::lock_guard<std::mutex> lock(ledger().mutex);
-      ledger().blocks[data] = Lent{bytes, host};
+      const std::lock_guard<std::mutex> lock(stripe.mutex);
+      stripe.blocks[data] = Lent{bytes, host};  // before the block changes hands: a throw here leaves it with inner
     }
+    const c10::Device device = inner.device();
+    inner.release_context();  // the block is its own context: from here on give_back frees it
     Counters& c = counters();
     if (host) {
       c.host.fetch_add(bytes);
@@ -106,24 +138,24 @@ class CountingAllocator final : public c10::Allocator {
 bool install_cpu_meter() {
   static std::once_flag once;
   std::call_once(once, [] {
-    // Function-local static: outlives every allocation made before exit, and no storage ever points at it (frees go
-    // through give_back).
     c10::Allocator* inner = c10::GetAllocator(c10::DeviceType::CPU);
     if (inner->raw_deleter() == nullptr) {
       return;  // blocks that are not their own context cannot be counted by pointer: not installed
     }
     ledger().inner_free = inner->raw_deleter();
-    static CountingAllocator meter(inner);
-    c10::SetAllocator(c10::DeviceType::CPU, &meter, /*priority=*/0);
-    counters().installed = c10::GetAllocator(c10::DeviceType::CPU) == &meter;
+    // Never destroyed: c10 keeps pointing at it until the process ends.
+    static NoDestructor<CountingAllocator> meter(inner);
+    ledger().meter = &meter.get();
+    c10::SetAllocator(c10::DeviceType::CPU, &meter.get(), /*priority=*/0);
   });
-  return counters().installed;
+  return cpu_meter_stats().installed != 0;
 }
 
 CpuMeterStats cpu_meter_stats() {
   const Counters& c = counters();
   CpuMeterStats s;
-  s.installed = c.installed ? 1 : 0;
+  // Installed, and still the CPU allocator (another library's SetAllocator would leave these counts frozen).
+  s.installed = ledger().meter != nullptr && c10::GetAllocator(c10::DeviceType::CPU) == ledger().meter ? 1 : 0;
   s.allocated_bytes = c.allocated.load();
   s.peak_allocated_bytes = c.peak.load();
   s.host_bytes = c.host.load();

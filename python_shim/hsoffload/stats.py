@@ -77,8 +77,8 @@ class BudgetStats:
 
 @dataclasses.dataclass(frozen=True)
 class CpuMeterStats:
-    """The CPU meter (`OffloadScope.cpu_meter_stats()`): what the counting CPU allocator lent since it was installed
-    (policy "auto" reads it when the device is the CPU)."""
+    """The CPU meter (`torch.classes.hsoffload.OffloadScope.cpu_meter_stats()`): what the counting CPU allocator lent
+    since it was installed (policy "auto" reads it when the device is the CPU)."""
 
     installed: bool = False
     allocated_bytes: int = dataclasses.field(default=0, metadata={"snapshot": True})  # lent now, the host pool's not

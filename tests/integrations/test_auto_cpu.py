@@ -137,3 +137,22 @@ def test_a_file_for_another_model_is_not_reused(tmp_path: Path, caplog: pytest.L
     assert ctl.restored is None and not ctl.history[0].decided
     assert any("not reused: it was saved for another layers, kinds" in r.getMessage() for r in caplog.records)
     assert json.loads(state.read_text())["layers"][0] == "model.layers.0"  # overwritten by this run's decision
+
+
+def test_a_model_without_a_torch_optimizer_still_decides_beside_one_with() -> None:
+    """Optimizer steps count per model: a second model updated by hand (no torch optimizer) treats every micro-batch
+    as a step's first and decides after its calibration, while another model's optimizer steps."""
+    a, a_opt = _model()
+    b, _ = _model()
+    for step in range(4):
+        _steps(a, a_opt, range(step, step + 1), 1024 * MIB)
+        ids = torch.randint(3, 512, (1, SEQ), generator=torch.Generator().manual_seed(step))
+        with hsoffload.offload_hidden_states(b, policy="auto", device_budget=1024 * MIB, min_offload_size=0,
+                                             offload_cpu_tensors=True):
+            b(input_ids=ids, labels=ids).loss.backward()
+        with torch.no_grad():
+            for p in b.parameters():
+                p -= 1e-3 * p.grad
+                p.grad = None
+    assert auto.controller(a).optimizer_steps == 4 and auto.controller(b).optimizer_steps == 0
+    assert auto.controller(b).decisions >= 1

@@ -34,6 +34,6 @@ def test_two_ranks_agree_on_every_decision_and_train_bitwise(tmp_path: Path, wra
     # with both budgets generous, every layer keeps its input (sharded layers are never left unchekpointed: their
     # probe would gather shards outside the step).
     assert a0["runs"][:4] == [["offload"] * layers] * 4, a0["runs"]
-    assert a0["runs"][5:] == [["keep"] * layers] * 3, a0["runs"]
+    assert a0["runs"][4:] == [["keep"] * layers] * 4, a0["runs"]  # the budget changed at step 4: decided there
     assert a0["decisions"][-1] >= 2
     assert "ranks agree on every decision" in proc.stderr

@@ -99,8 +99,10 @@ class _TrainerOffload:
         auto = self.scope.auto
         if auto is not None and auto.decisions > self.auto_reported:
             self.auto_reported = auto.decisions
-            logging.getLogger("transformers.hsoffload").warning("hsoffload: %s: %s", type(trainer).__name__,
-                                                                 auto.report())
+            main = getattr(trainer, "is_world_process_zero", lambda: True)()
+            if main:  # the ranks make one decision: said once
+                logging.getLogger("transformers.hsoffload").warning("hsoffload: %s: %s", type(trainer).__name__,
+                                                                     auto.report())
         if self.reported:
             return
         self.reported = True

@@ -78,6 +78,7 @@ class DeviceMemory:
         self.device = device
         self._mod = getattr(torch, device.type, None) if device.type != "cpu" else None
         self._meter: Optional[Any] = None
+        self._timing = self._events_time()  # decided steps are then timed by events, without a synchronize
         if device.type == "cpu":
             engine = torch.classes.hsoffload.OffloadScope
             if engine.cpu_meter_install():
@@ -117,6 +118,29 @@ class DeviceMemory:
         """Wait for everything queued on the device (every stream)."""
         if self._mod is not None:
             self._call("synchronize", self.device)
+
+    def timing_event(self) -> Optional[Any]:
+        """An event recorded now on the current stream, that times (None on the CPU, or where the device's events do
+        not: then times are host clocks after a synchronize)."""
+        if self._mod is None or not self._timing:
+            return None
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record()
+        return event
+
+    def _events_time(self) -> bool:
+        """Whether the device's events measure elapsed time (asked once: record two, wait, read)."""
+        if self._mod is None:
+            return False
+        try:
+            a = torch.Event(device=self.device, enable_timing=True)
+            b = torch.Event(device=self.device, enable_timing=True)
+            a.record()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) >= 0.0
+        except (RuntimeError, TypeError, NotImplementedError):
+            return False
 
     def synchronize_compute(self) -> None:
         """Wait for the current stream only (compute), not the side streams' copies: a layer's compute time."""
@@ -200,6 +224,7 @@ class AutoController:
         self.start_bytes = 0  # device bytes steps start with (weights, optimizer states, ...): the most of the last
         # optimizer step's micro-batches and this one's
         self._cycle_starts = (0, 0)  # the most micro-batches started with: the last optimizer step's, this one's
+        self.optimizer_steps = 0  # steps of optimizers holding this model's parameters (torch.optim's hook)
         self._optimizer_steps_seen = 0
         self.decided_start_bytes = 0  # ... when the decision was made
         self.forwards = 1  # forwards seen before one backward (several: each holds what the decision keeps)
@@ -270,7 +295,7 @@ class AutoController:
 
     def _bind_device(self, device: torch.device) -> None:
         self.memory = DeviceMemory(device)
-        self.ranks = Ranks()
+        self.ranks = Ranks(device)
         if self.ranks.size > 1:
             log_once("auto-ranks", logging.INFO, "hsoffload: policy auto: %d ranks agree on every decision (the "
                      "largest costs, the smallest room) and apply it from the same step", self.ranks.size)
@@ -301,39 +326,35 @@ class AutoController:
     def _another_forward(self, scope: Any) -> None:
         """A forward whose first layer runs before the previous forward's backward reached it (two losses, one
         backward): both hold what the decision keeps. Counted; a decision for one forward is made again for them (at
-        once in one process; at the next step on several ranks, which must decide together)."""
+        once in one process; at the next micro-batch on several ranks, which decide together: no collective here)."""
         assert self._step is not None and self.ranks is not None
         self._step["forwards"] += 1
-        more = self._step["forwards"] > self.forwards
+        if self._step["forwards"] <= self.forwards:
+            return
+        self.forwards = self._step["forwards"]
+        log_once("auto-forwards", logging.INFO, "hsoffload: policy auto: %d forwards before one backward: each holds "
+                 "what the decision keeps, and the decision counts them", self.forwards)
+        if self.decision is None:
+            return
         if self.ranks.size > 1:
-            # The same collective as a step's start: a rank that started a step here meets this one.
-            tokens, want = self.ranks.max([0, 1.0 if more else 0.0])
-            more = want > 0
-        if more:
-            self.forwards = max(self.forwards, self._step["forwards"])
-            log_once("auto-forwards", logging.INFO, "hsoffload: policy auto: %d forwards before one backward: each "
-                     "holds what the decision keeps, and the decision counts them", self.forwards)
-            if self.decision is not None:
-                if self.ranks.size > 1:
-                    self._pending = f"{self.forwards} forwards before one backward"
-                else:
-                    self._decide(f"{self.forwards} forwards before one backward")
-                    self._step["decision"] = self.decision
-                    self._apply(scope)
+            self._pending = f"{self.forwards} forwards before one backward"
+        else:
+            self._decide(f"{self.forwards} forwards before one backward")
+            self._step["decision"] = self.decision
+            self._apply(scope)
 
     def _first_layer_backward_done(self, grad: torch.Tensor) -> None:
         """The gradient of the first layer's input: every layer's backward ran. The step's peak and time are read
         here, before the optimizer step and the next batch (whose own peaks the decision does not move)."""
         if self._step is not None and "t1" not in self._step:
-            self._step["t1"] = self._sync_time()
+            self._mark(self._step, "t1")
             self._step["peak"] = self.memory.peak()
 
     def _new_step(self, scope: Any, x: torch.Tensor) -> None:
         """A micro-batch starts: the last one is recorded; a decision is made when one is due, at an optimizer step's
         first micro-batch (micro-batches of one step share a decision) unless the running one no longer fits."""
         assert self.ranks is not None and self.memory is not None
-        now = self._sync_time()
-        reason = self._end_step(now) if self._step is not None else None
+        reason = self._end_step() if self._step is not None else None
         reason, self._pending = reason or self._pending, None
         local_tokens = tokens = x.numel() // max(1, x.shape[-1])
         start = int(self.memory.allocated() or 0)
@@ -357,9 +378,9 @@ class AutoController:
         if reason is not None and self.decision is not None and self.decision.fits and (
                 self.predicted_peak + start - self.decided_start_bytes > self.budget):
             want = 2
+        ready = True
         if self.ranks.size > 1:  # one collective per micro-batch on every rank: tokens, wishes, the step boundary
-            longest, want_any, not_boundary = self.ranks.max([tokens, want, 0.0 if boundary else 1.0])
-            tokens, boundary = int(longest), not_boundary == 0
+            tokens, want_any, boundary, ready = self._agree_step(tokens, want, boundary)
             if want_any > want:
                 reason = reason or "another rank's measurements changed (its peak, its start bytes or its calibration)"
                 want = int(want_any)
@@ -372,24 +393,58 @@ class AutoController:
             self.tokens, self.calibrated, self.decision, self.lean_increase = ceiling, 0, None, None
             self.probes.clear()
             reason = None
-        if reason is not None and self.lean_increase is not None and self.calibrated >= self.calibration_steps:
+        if reason is not None and ready and self.lean_increase is not None and self.calibrated >= self.calibration_steps:
             if boundary or want == 2:
                 self._decide(reason)
             else:
                 self._pending = reason  # kept for the next optimizer step's first micro-batch
         decided = self.decision is not None
-        self._step = {"t0": now, "tokens": local_tokens, "decided": decided, "probe": not decided and not self.probes,
+        self._step = {"tokens": local_tokens, "decided": decided, "probe": not decided and not self.probes,
                       "decision": self.decision, "hooked": x.requires_grad, "forwards": 1, "start": start,
                       "predicted": self.predicted_peak, "index": self.decisions}
         self._apply(scope)
         self.memory.reset_peak()
-        self._step["t0"] = self._sync_time()
+        self._mark(self._step, "t0")
+
+    def _agree_step(self, tokens: int, want: int, boundary: bool) -> tuple[int, int, bool, bool]:
+        """The ranks' one collective per micro-batch (at its first layer): the longest batch, the strongest wish to
+        decide (0 none, 1 due, 2 the running decision no longer fits), whether every rank is at an optimizer step's
+        first micro-batch and ready to decide (calibrated). Raises on every rank if their models or controller states
+        differ (their next collectives would not match: a hang)."""
+        assert self.ranks is not None
+        ready = self.lean_increase is not None and self.calibrated >= self.calibration_steps
+        state = zlib.crc32(repr(([n for n, _ in self.layers], self.tokens, self.calibrated, self.decisions,
+                                 len(self.probes))).encode())
+        longest, want_any, not_boundary, not_ready, high, low = self.ranks.max(
+            [tokens, want, 0.0 if boundary else 1.0, 0.0 if ready else 1.0, state, -state])
+        if high != -low:
+            raise RuntimeError("hsoffload: policy auto: the ranks' models or auto states differ (decoder layers, the "
+                               "tokens calibrated for, calibration steps, decisions or probes): every rank must run the "
+                               "same model through the same steps, forward and backward, for one decision to hold")
+        return int(longest), int(want_any), not_boundary == 0, not_ready == 0
+
+    def _mark(self, step: dict[str, Any], key: str) -> None:
+        """A time stamp of `step`: in a decided step an event on the compute stream where the device's events time
+        (nothing waits: a decided step's time is only verified), else the host clock after a synchronize
+        (calibration: its times are what decisions are made of)."""
+        assert self.memory is not None
+        event = self.memory.timing_event() if step["decided"] else None
+        step[key] = event if event is not None else self._sync_time()
+
+    @staticmethod
+    def _elapsed(t0: Any, t1: Any) -> float:
+        if isinstance(t0, float) and isinstance(t1, float):
+            return t1 - t0
+        if isinstance(t0, float) or isinstance(t1, float):  # one stamp of each kind: cannot be compared
+            return float("nan")
+        t1.synchronize()  # waits for the step's own work only (the next step's is queued behind it)
+        return t0.elapsed_time(t1) / 1e3
 
     def _sync_time(self) -> float:
         self.memory.synchronize()
         return time.perf_counter()
 
-    def _end_step(self, now: float) -> Optional[str]:
+    def _end_step(self) -> Optional[str]:
         """Records the step that ended; returns why to decide again (None: the decision stands)."""
         step = self._step
         assert step is not None
@@ -399,9 +454,10 @@ class AutoController:
             if step["hooked"]:  # no backward reached the first layer (a forward only, or another graph): not a step
                 self._step = None
                 return None
-            step["t1"], step["peak"] = now, self.memory.peak()  # no hook possible: up to this step's start
+            self._mark(step, "t1")  # no hook possible: up to this step's start
+            step["peak"] = self.memory.peak()
         peak = step["peak"]
-        measured_s = step["t1"] - step["t0"]
+        measured_s = self._elapsed(step["t0"], step["t1"])
         decision: Optional[Decision] = step["decision"]
         predicted = step["predicted"] + step["start"] - self.decided_start_bytes if decision else None
         rec = StepRecord(step["tokens"], step["decided"], predicted, peak, decision.step_s if decision else None,
@@ -495,9 +551,15 @@ class AutoController:
 
     def _identity(self) -> dict[str, Any]:
         assert self.ranks is not None and self.memory is not None
+        device = self.memory.device
+        name = getattr(getattr(torch, device.type, None), "get_device_name", None)
+        try:
+            device_name = str(name(device)) if name is not None and device.type != "cpu" else device.type
+        except RuntimeError:
+            device_name = device.type
         return {"version": STATE_VERSION, "layers": [n for n, _ in self.layers],
                 "kinds": [repr(_signature(m)) for _, m in self.layers], "world": self.ranks.size,
-                "rank": self.ranks.rank, "device": self.memory.device.type}
+                "rank": self.ranks.rank, "device": device_name}
 
     def _save(self) -> None:
         path = self.state_file()
@@ -510,12 +572,15 @@ class AutoController:
                  "forward_s": {str(k): v for k, v in self.forward_s.items()},
                  "held_keep": {str(k): v for k, v in self.held_keep.items()},
                  "probes": {r: dataclasses.asdict(self.probes[k]) for r, k in kinds.items()},
+                 "decisions": self.decisions,
                  "choices": [c.value for c in self.decision.choices] if self.decision else None}
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             tmp = f"{path}.tmp{os.getpid()}"
             with open(tmp, "w") as f:
                 json.dump(state, f)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)  # a reader never sees half a file
         except OSError as exc:
             log_once(f"auto-save-{path}", logging.WARNING, "hsoffload: policy auto could not save its measurements "
@@ -544,16 +609,19 @@ class AutoController:
                 why = f"it was saved for another {', '.join(differ)}"
                 state = None
         ok = state is not None
-        if self.ranks.size > 1:
-            ok = self.ranks.min([1.0 if ok else 0.0])[0] > 0
+        if self.ranks.size > 1:  # every rank reuses a file saved at the same decision, or none does
+            saved = zlib.crc32(repr([state.get(k) for k in ("decisions", "tokens", "calibrated")]).encode()) if ok else 0
+            low, high, low_crc = self.ranks.min([1.0 if ok else 0.0, -saved, saved])
+            ok = low > 0 and -high == low_crc
             if not ok and state is not None:
-                why = "another rank has no matching file"
+                why = "another rank has no matching file, or one saved at another decision"
         if not ok:
             logger.info("hsoffload: policy auto: calibrating (%s not reused: %s)", path, why)
             return None
         assert state is not None
         kinds = {repr(_signature(m)): _signature(m) for _, m in self.layers}
-        self.tokens, self.probe_tokens, self.forward_tokens = state["tokens"], state["probe_tokens"], state["forward_tokens"]
+        self.tokens, self.probe_tokens = int(state["tokens"]), int(state["probe_tokens"])
+        self.forward_tokens = int(state["forward_tokens"])
         self.calibrated = max(int(state["calibrated"]), self.calibration_steps)
         self.forwards, self.margin = int(state["forwards"]), int(state["margin"])
         self.lean_increase, self.lean_step_s = int(state["lean_increase"]), float(state["lean_step_s"])
@@ -565,14 +633,10 @@ class AutoController:
         return f"measurements read from {path}"
 
     def request(self, why: str) -> None:
-        """Decide again (after calibration): now in one process, at the next step's start on several ranks (where
-        they all decide)."""
-        if self.lean_increase is None or self.calibrated < self.calibration_steps:
-            return
-        if self.ranks is None or self.ranks.size > 1:
+        """Decide again (after calibration), at the next micro-batch that starts an optimizer step (on several ranks,
+        all at once)."""
+        if self.lean_increase is not None and self.calibrated >= self.calibration_steps:
             self._pending = why
-        else:
-            self._decide(why)
 
     def _agree(self, costs: list[LayerCost], fixed_s: float, room: int) -> tuple[list[LayerCost], float, int]:
         """On several ranks: each layer's largest cost over the ranks, the longest fixed time and the smallest room,
@@ -765,27 +829,31 @@ def _no_output_capture() -> Iterator[None]:
 
 
 class _OptimizerSteps:
-    """Counts optimizer steps in the process (torch.optim's global step post-hook, registered at first use), so that a
-    controller can tell an optimizer step's first micro-batch. Process-wide by nature (the hook is); incremented on
-    the thread that steps the optimizer, read on the one that runs forward (the same, in a training loop)."""
+    """Counts, per controller, the steps of optimizers that hold its model's parameters (torch.optim's global step
+    post-hook, registered at first use), so that a controller can tell an optimizer step's first micro-batch. The
+    hook is process-wide by nature; it runs on the thread that steps the optimizer, the count is read on the one that
+    runs forward (the same, in a training loop)."""
 
     def __init__(self) -> None:
-        self.count = 0
         self._hooked = False
 
-    def _step(self, *_: Any) -> None:
-        self.count += 1
+    def _step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for ctl in list(_controllers.values()):
+            if any(id(p) in held for _, layer in ctl.layers for p in layer.parameters()):
+                ctl.optimizer_steps += 1
 
     def at_boundary(self, ctl: AutoController) -> bool:
-        """Whether `ctl`'s micro-batch starting now is an optimizer step's first: an optimizer stepped since its last
-        micro-batch, or none ever did (then every micro-batch is one)."""
+        """Whether `ctl`'s micro-batch starting now is an optimizer step's first: its model's optimizer stepped since
+        its last micro-batch, or never did (no torch optimizer holds its parameters, as under DeepSpeed, whose
+        optimizer holds copies; or before the first step): then every micro-batch is one."""
         if not self._hooked:
             self._hooked = True
             from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: PLC0415
 
             register_optimizer_step_post_hook(self._step)
-        seen, ctl._optimizer_steps_seen = ctl._optimizer_steps_seen, self.count
-        return self.count == 0 or self.count != seen
+        seen, ctl._optimizer_steps_seen = ctl._optimizer_steps_seen, ctl.optimizer_steps
+        return ctl.optimizer_steps == 0 or ctl.optimizer_steps != seen
 
 
 _optimizer_steps = _OptimizerSteps()

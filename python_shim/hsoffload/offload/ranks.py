@@ -3,12 +3,14 @@
 Under ZeRO-3 and FSDP a layer's recompute gathers its parameters (collectives), so ranks that checkpoint different
 layers, or decide on different steps, fall out of step and hang. The controller (hsoffload.offload.auto) therefore
 takes every input of a decision through `Ranks`: once per micro-batch the things that start a decision (the longest
-batch, the bytes steps start with, a rank's wish to decide again), and at each decision the costs (the largest each
-rank measured), the room (the smallest) and the fixed time. The chooser is deterministic, so equal inputs give one
+batch, a rank's wish to decide again, whether an optimizer step starts, whether every rank is calibrated, and a
+checksum of the controllers' states), at each decision the costs (the largest each rank measured), the room (the
+smallest) and the fixed time, at a probe whether every rank probes, at the first step whether every rank reuses its
+saved measurements. The chooser is deterministic, so equal inputs give one
 decision on every rank.
 
 The collectives run on the default process group: on the CPU where its backend takes CPU tensors (gloo, mpi), on the
-current accelerator otherwise (nccl, ...). A process without torch.distributed, or with one rank, agrees with itself
+model's device otherwise (nccl, ...). A process without torch.distributed, or with one rank, agrees with itself
 and runs no collective.
 
 Thread-safety: used on the thread that runs forward (the controller's), where the training loop's collectives run.
@@ -29,16 +31,15 @@ class Ranks:
     """The ranks of the default process group, for small all-reduces of numbers (float64: bytes are exact below
     2**53)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        """`device`: the model's (the collectives run there unless the backend takes CPU tensors)."""
         self.size = torch.distributed.get_world_size() if _dist_ready() else 1
         self.rank = torch.distributed.get_rank() if _dist_ready() else 0
         self._device = torch.device("cpu")
         if self.size > 1:
             backend = str(torch.distributed.get_backend()).lower()
-            if "gloo" not in backend and "mpi" not in backend:
-                accelerator = torch.accelerator.current_accelerator()
-                if accelerator is not None:
-                    self._device = torch.device(accelerator.type, torch.accelerator.current_device_index())
+            if "gloo" not in backend and "mpi" not in backend and device.type != "cpu":
+                self._device = device
 
     def _reduce(self, values: Sequence[float], op: "torch.distributed.ReduceOp") -> list[float]:
         if self.size == 1:
