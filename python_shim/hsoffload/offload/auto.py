@@ -633,10 +633,14 @@ class AutoController:
         return f"measurements read from {path}"
 
     def request(self, why: str) -> None:
-        """Decide again (after calibration), at the next micro-batch that starts an optimizer step (on several ranks,
-        all at once)."""
-        if self.lean_increase is not None and self.calibrated >= self.calibration_steps:
+        """Decide again (after calibration) for what the user changed (a budget, pins): at once in one process; on
+        several ranks at the next micro-batch's start, where they all decide."""
+        if self.lean_increase is None or self.calibrated < self.calibration_steps:
+            return
+        if self.ranks is None or self.ranks.size > 1:
             self._pending = why
+        else:
+            self._decide(why)
 
     def _agree(self, costs: list[LayerCost], fixed_s: float, room: int) -> tuple[list[LayerCost], float, int]:
         """On several ranks: each layer's largest cost over the ranks, the longest fixed time and the smallest room,
