@@ -86,9 +86,12 @@ def test_device_memory_is_freed_at_copy_speed_while_the_disk_lags(setup):
     assert hsoffload.pool_stats().unpooled == unpooled  # host copies came from the pool's slabs
     assert s.offloaded_tensors == LAYERS and s.spilled_tensors >= LAYERS - 2, s
     assert s.spilled_from_device_tensors == 0 and s.kept_on_device_tensors == 0, s
-    assert lagging["written_after_forward"] < s.spilled_bytes, "the disk was expected to lag behind the packs"
+    # The disk lagged: packs outran it and waited for room. (Whether its last write is still running when forward
+    # ends depends on how the I/O threads and forward's tail interleave: under load the writes catch up, and a fifth
+    # copy may or may not be spilled; it was asserted here and flaked on a loaded CI machine.)
+    assert s.pack_wait_ns > 0 and s.wait_ns >= s.pack_wait_ns, s
+    assert lagging["written_after_forward"] <= s.spilled_bytes, s
     assert lagging["held"] == roomy["held"], (lagging["held"], roomy["held"])
-    assert s.pack_wait_ns > 0 and s.wait_ns >= s.pack_wait_ns, s  # packs outran the disk and waited for room
     assert hsoffload.budget_stats().peak <= 2 * STATE  # never more host memory than the budget
     # The same lagging disk written from device memory (no host room at all, the path for copies larger than the
     # budget): the device keeps the unwritten tensors. The counter tells the two apart.
