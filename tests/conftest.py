@@ -43,6 +43,7 @@ SLOW = (
     "tests/engine/test_spill.py::test_kill_9",
     "tests/engine/test_tensor_kinds.py::test_warnings_",  # child processes
     "tests/engine/test_torchscript_compile.py::test_torchscript_models_offload_on_every_step",  # 2 child processes
+    "tests/integrations/test_auto_ranks.py::",  # 2-rank torchrun
     "tests/integrations/test_composition.py::",  # 2-rank torchrun
     "tests/integrations/test_deepspeed.py::",  # 2-rank torchrun
     "tests/integrations/test_dtensor.py::test_two_ranks",
