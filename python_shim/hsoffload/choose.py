@@ -7,18 +7,25 @@ Per layer, from fastest to leanest:
 - `none`: no checkpointing; the layer's saved activations stay on the device until its backward (its `held_none`
   bytes), nothing is recomputed;
 - `keep`: checkpointing, its input kept on the device (`held_keep` bytes); backward recomputes its forward;
+- `sac`: checkpointing, its input and the outputs of its projections (the matmuls its recompute would read:
+  `sac_bytes`) copied to the host in forward and back before its backward (selective activation checkpointing with
+  the saves offloaded): the recompute skips the projections (`projection_s`), the copies are larger; 0 device bytes
+  held, but the entries of `sac_window` layers are on the device at once (a copy out in flight, the prefetch), so the
+  peak adds that many times the largest `sac_bytes` among the layers that choose it. Offered where the layer's costs
+  name its projections (`sac_bytes` and `projection_s` above 0);
 - `offload`: checkpointing, its input copied to the host in forward and back before its backward (0 device bytes
   held beyond the prefetch window); the recompute, plus what of the copies the layer's compute does not hide.
 
 The step time of a decision is a fixed part (every layer's forward and backward, the head, the optimizer) plus each
 layer's extra (`extra_s`): the recompute, and for `offload` the part of its copy longer than the layer's forward
 (the copy out) and than its recompute and backward (the copy back), plus one copy (the pipeline's fill) when any layer
-offloads. The device peak is a measured or modelled peak with every layer offloaded (`lean_peak_bytes`: the model
-states, the head, one layer's recompute) plus what the decision holds. Both are sums over layers, so the least-time
-decision under the budget is a multiple-choice knapsack, solved over the Pareto front of (bytes held, time)
-(`_knapsack`): exact while the front stays under FRONT_LIMIT states (always for layers alike; thinned past it, never
-over the budget); the pipeline's fill, the one term that is not a sum, by one knapsack per value it can take (up to
-FILL_LIMITS of them).
+offloads or chooses `sac`. The device peak is a measured or modelled peak with every layer offloaded
+(`lean_peak_bytes`: the model states, the head, one layer's recompute) plus what the decision holds, plus the `sac`
+window. Both are sums over layers but for two terms, so the least-time decision under the budget is a multiple-choice
+knapsack, solved over the Pareto front of (bytes held, time) (`_knapsack`): exact while the front stays under
+FRONT_LIMIT states (always for layers alike; thinned past it, never over the budget); the two terms that are a
+largest, not a sum (the pipeline's fill, the `sac` window), by one knapsack per pair of values they can take (up to
+FILL_LIMITS and SAC_LIMITS of them).
 
 Stdlib only (the planner imports it without torch).
 """
@@ -30,13 +37,16 @@ import math
 from enum import Enum
 from typing import Mapping, Optional, Sequence
 
-FILL_LIMITS = 6  # values of the pipeline's fill tried at most (one knapsack each)
+FILL_LIMITS = 12  # values of the pipeline's fill tried at most (one knapsack each, per SAC limit)
+SAC_LIMITS = 6  # values of the largest `sac_bytes` among the layers choosing sac tried at most
+SAC_WINDOW = 2  # layers of sac entries on the device at once by default: one copy out in flight, one prefetched
 FRONT_LIMIT = 1024  # states of the knapsack's Pareto front kept per layer (thinned past it; never over the room)
 
 
 class Choice(str, Enum):
     NONE = "none"  # no checkpointing
     KEEP = "keep"  # checkpointing, input kept on the device
+    SAC = "sac"  # checkpointing, input and projection outputs offloaded: the recompute skips the projections
     OFFLOAD = "offload"  # checkpointing, input offloaded (policy hidden_states)
 
     def __str__(self) -> str:
@@ -61,24 +71,43 @@ class LayerCost:
     forward_s: float  # its forward (the recompute)
     backward_s: float
     copy_s: float  # its input to the host, or back (one direction)
+    sac_bytes: int = 0  # the outputs of its projections its recompute reads (0: the sac choice is not offered)
+    projection_s: float = 0.0  # those projections' forward: what the sac choice's recompute skips
+
+    @property
+    def sac_offered(self) -> bool:
+        return self.sac_bytes > 0 and self.projection_s > 0
 
     def held(self, c: Choice) -> int:
-        return {Choice.NONE: self.held_none, Choice.KEEP: self.held_keep, Choice.OFFLOAD: 0}[c]
+        """Bytes held on the device until its backward (the sac window apart: `window_bytes`)."""
+        return self.held_none if c is Choice.NONE else self.held_keep if c is Choice.KEEP else 0
+
+    def copy(self, c: Choice) -> float:
+        """One direction of what this choice copies: the input (offload), the input and the projections (sac)."""
+        if c is Choice.OFFLOAD:
+            return self.copy_s
+        if c is Choice.SAC:
+            return self.copy_s * (1 + self.sac_bytes / max(1, self.held_keep))
+        return 0.0
 
     def extra_s(self, c: Choice) -> float:
-        """The time this choice adds to the step over `none` (the pipeline's fill not included)."""
+        """The time this choice adds to the step over `none` (the pipeline's fill not included): the recompute, and
+        what of the copy out its forward does not hide, and of the copy back its recompute and backward."""
         if c is Choice.NONE:
             return 0.0
         if c is Choice.KEEP:
             return self.forward_s
-        return (self.forward_s + max(0.0, self.copy_s - self.forward_s)
-                + max(0.0, self.copy_s - self.forward_s - self.backward_s))
+        recompute = self.forward_s - (min(self.projection_s, self.forward_s) if c is Choice.SAC else 0.0)
+        copy = self.copy(c)
+        return recompute + max(0.0, copy - self.forward_s) + max(0.0, copy - recompute - self.backward_s)
 
     def scaled(self, factor: float) -> "LayerCost":
         """The costs at `factor` times the tokens (bytes and times linear in them: a safe bound is the caller's)."""
         return dataclasses.replace(self, held_none=math.ceil(self.held_none * factor),
                                    held_keep=math.ceil(self.held_keep * factor), forward_s=self.forward_s * factor,
-                                   backward_s=self.backward_s * factor, copy_s=self.copy_s * factor)
+                                   backward_s=self.backward_s * factor, copy_s=self.copy_s * factor,
+                                   sac_bytes=math.ceil(self.sac_bytes * factor),
+                                   projection_s=self.projection_s * factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +121,7 @@ class Decision:
     step_s: float  # predicted step time
     fits: bool  # False: not even the leanest choice (with the pins) fits; the leanest is returned
     pinned: tuple[str, ...] = ()
+    sac_window: int = SAC_WINDOW
 
     def counts(self) -> dict[str, int]:
         return {c.value: sum(1 for x in self.choices if x is c) for c in Choice}
@@ -117,57 +147,89 @@ class Decision:
             lines.append(f"  {span} ({j - i + 1}): {self.choices[i]}{detail}"
                          + (f" (pinned: {', '.join(pins)})" if pins else ""))
             i = j + 1
+        if costs is not None and Choice.SAC in self.choices:
+            lines.append(f"  sac window: {window_bytes(costs, self.choices, self.sac_window) / 2**20:,.1f} MiB "
+                         f"({self.sac_window} layers' projections on the device at once)")
         return "\n".join(lines)
 
 
 def fill_s(costs: Sequence[LayerCost], choices: Sequence[Choice]) -> float:
-    """The pipeline's fill: one copy when any layer offloads (the first restore of backward is waited for)."""
-    copies = [c.copy_s for c, x in zip(costs, choices) if x is Choice.OFFLOAD]
+    """The pipeline's fill: one copy when any layer offloads or chooses sac (the first restore of backward is waited
+    for)."""
+    copies = [c.copy(x) for c, x in zip(costs, choices) if x in (Choice.OFFLOAD, Choice.SAC)]
     return max(copies) if copies else 0.0
 
 
+def window_bytes(costs: Sequence[LayerCost], choices: Sequence[Choice], sac_window: int = SAC_WINDOW) -> int:
+    """The sac entries on the device at once: `sac_window` times the largest among the layers choosing sac."""
+    sizes = [c.sac_bytes for c, x in zip(costs, choices) if x is Choice.SAC]
+    return sac_window * max(sizes) if sizes else 0
+
+
 def predict(costs: Sequence[LayerCost], choices: Sequence[Choice], lean_peak_bytes: int,
-            fixed_s: float) -> tuple[int, float]:
+            fixed_s: float, sac_window: int = SAC_WINDOW) -> tuple[int, float]:
     """The device peak and step time of `choices`."""
-    peak = lean_peak_bytes + sum(c.held(x) for c, x in zip(costs, choices))
+    peak = (lean_peak_bytes + sum(c.held(x) for c, x in zip(costs, choices))
+            + window_bytes(costs, choices, sac_window))
     step = fixed_s + sum(c.extra_s(x) for c, x in zip(costs, choices)) + fill_s(costs, choices)
     return peak, step
 
 
 def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, fixed_s: float,
-           pins: Optional[Mapping[str, Choice]] = None) -> Decision:
+           pins: Optional[Mapping[str, Choice]] = None, sac_window: int = SAC_WINDOW) -> Decision:
     """The least predicted step time whose predicted peak is at most `budget_bytes`; pinned layers keep their
-    choice. When nothing fits, every unpinned layer offloads and `fits` is False."""
+    choice (a pinned sac where the layer's costs offer none is an error). When nothing fits, every unpinned layer
+    offloads and `fits` is False."""
     pins = dict(pins or {})
     unknown = sorted(set(pins) - {c.name for c in costs})
     if unknown:
         raise ValueError(f"hsoffload: auto_pins names layers this model does not have: {', '.join(unknown)} "
                          f"(its layers: {costs[0].name} .. {costs[-1].name})" if costs else
                          f"hsoffload: auto_pins given, but the model has no decoder layers: {', '.join(unknown)}")
+    unoffered = sorted(c.name for c in costs if pins.get(c.name) is Choice.SAC and not c.sac_offered)
+    if unoffered:
+        raise ValueError(f"hsoffload: auto_pins pins sac on {', '.join(unoffered)}, whose projections were not "
+                         "measured (a layer whose checkpoint already has a context_fn, reentrant checkpointing, or a "
+                         "layer not probed): pin keep or offload there")
     names = tuple(c.name for c in costs)
-    options = [[pins[c.name]] if c.name in pins else list(Choice) for c in costs]
+    options = [[pins[c.name]] if c.name in pins else
+               [x for x in Choice if x is not Choice.SAC or c.sac_offered] for c in costs]
     room = budget_bytes - lean_peak_bytes
-    # The fill (the largest copy of an offloaded layer) is not a sum over layers: for each value it can take, the
-    # best decision offloading only layers whose copy is at most that, and the best offloading none.
+    # Two terms are a largest, not a sum over layers: the fill (the largest copy of a layer that offloads or chooses
+    # sac) and the sac window (the largest sac_bytes among those choosing sac). For each pair of values they can
+    # take, the best decision whose layers stay within both (the window's bytes taken from the room first).
     candidates = []
-    if room >= 0:
-        for limit in _fill_limits(costs) + [None]:
-            allowed = [[x for x in o if x is not Choice.OFFLOAD or (limit is not None and c.copy_s <= limit)] or o
-                       for c, o in zip(costs, options)]
-            found = _knapsack(costs, allowed, room)
+    for sac_limit in [None] + _limits([c.sac_bytes for c, o in zip(costs, options) if Choice.SAC in o], SAC_LIMITS):
+        rest = room - (sac_window * sac_limit if sac_limit is not None else 0)
+        if rest < 0:
+            continue
+        copies = [c.copy(x) for c, o in zip(costs, options) for x in o if x in (Choice.OFFLOAD, Choice.SAC)]
+        for limit in _limits(copies, FILL_LIMITS) + [None]:
+            allowed = []
+            for c, o in zip(costs, options):
+                within = [x for x in o if x is not Choice.SAC or (sac_limit is not None and c.sac_bytes <= sac_limit)]
+                # The fill is a time: a pinned copy over the limit stays allowed (its time is predicted whole below).
+                allowed.append([x for x in within if x not in (Choice.OFFLOAD, Choice.SAC)
+                                or (limit is not None and c.copy(x) <= limit)] or within)
+            if not all(allowed):
+                continue  # a pin the window's limit excludes
+            found = _knapsack(costs, allowed, rest)
             if found is not None:
                 candidates.append(found)
     if not candidates:
         lean = tuple(pins.get(c.name, Choice.OFFLOAD) for c in costs)
-        peak, step = predict(costs, lean, lean_peak_bytes, fixed_s)
-        return Decision(lean, names, budget_bytes, peak, step, fits=False, pinned=tuple(sorted(pins)))
-    chosen = _canonical(costs, min(candidates, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s)[1]),
-                        pins)
-    peak, step = predict(costs, chosen, lean_peak_bytes, fixed_s)
-    return Decision(tuple(chosen), names, budget_bytes, peak, step, fits=True, pinned=tuple(sorted(pins)))
+        peak, step = predict(costs, lean, lean_peak_bytes, fixed_s, sac_window)
+        return Decision(lean, names, budget_bytes, peak, step, fits=False, pinned=tuple(sorted(pins)),
+                        sac_window=sac_window)
+    chosen = _canonical(costs, min(candidates, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s,
+                                                                      sac_window)[1]), pins)
+    peak, step = predict(costs, chosen, lean_peak_bytes, fixed_s, sac_window)
+    return Decision(tuple(chosen), names, budget_bytes, peak, step, fits=True, pinned=tuple(sorted(pins)),
+                    sac_window=sac_window)
 
 
-ORDER = (Choice.OFFLOAD, Choice.KEEP, Choice.NONE)  # along the layers, among layers that cost the same
+# Along the layers, among layers that cost the same: leanest first.
+ORDER = (Choice.OFFLOAD, Choice.SAC, Choice.KEEP, Choice.NONE)
 
 
 def _canonical(costs: Sequence[LayerCost], choices: Sequence[Choice], pins: Mapping[str, Choice]) -> list[Choice]:
@@ -178,20 +240,20 @@ def _canonical(costs: Sequence[LayerCost], choices: Sequence[Choice], pins: Mapp
     groups: dict[tuple, list[int]] = {}
     for i, c in enumerate(costs):
         if c.name not in pins:
-            groups.setdefault((c.held_none, c.held_keep, c.forward_s, c.backward_s, c.copy_s), []).append(i)
+            groups.setdefault(dataclasses.astuple(dataclasses.replace(c, name="")), []).append(i)
     for members in groups.values():
         for i, choice in zip(members, sorted((out[i] for i in members), key=ORDER.index)):
             out[i] = choice
     return out
 
 
-def _fill_limits(costs: Sequence[LayerCost]) -> list[float]:
-    """The copy times the fill is tried at: every distinct one, or FILL_LIMITS of them spread over their range (the
-    largest included) where layers differ more (the fill is one copy: a close limit costs at most the gap)."""
-    values = sorted({c.copy_s for c in costs})
-    if len(values) <= FILL_LIMITS:
-        return values
-    return sorted({values[round(k * (len(values) - 1) / (FILL_LIMITS - 1))] for k in range(FILL_LIMITS)})
+def _limits(values: Sequence[float], most: int) -> list:
+    """The values a largest-of term is tried at: every distinct one, or `most` of them spread over their range (the
+    largest included) where layers differ more (a close limit costs at most the gap)."""
+    distinct = sorted(set(values))
+    if len(distinct) <= most:
+        return distinct
+    return sorted({distinct[round(k * (len(distinct) - 1) / (most - 1))] for k in range(most)})
 
 
 def _knapsack(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room: int) -> Optional[list[Choice]]:

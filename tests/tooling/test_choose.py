@@ -3,6 +3,7 @@ by brute force; never over the budget; never slower with more room; pins kept; n
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -12,14 +13,17 @@ from hypothesis import strategies as st
 from hsoffload.choose import Choice, LayerCost, choose, predict
 
 layer = st.builds(
-    lambda i, none, keep, f, b, c: LayerCost(f"model.layers.{i}", none, keep, f, b, c),
+    lambda i, none, keep, f, b, c, sac, p: LayerCost(f"model.layers.{i}", none, keep, f, b, c, sac, p * f),
     st.just(0), st.integers(1, 10_000), st.integers(1, 1_000), st.floats(0.001, 1.0), st.floats(0.001, 2.0),
-    st.floats(0.0, 3.0))
+    st.floats(0.0, 3.0), st.one_of(st.just(0), st.integers(1, 8_000)), st.floats(0.0, 0.9))
 
 
 def _named(costs: list[LayerCost]) -> list[LayerCost]:
-    return [LayerCost(f"model.layers.{i}", c.held_none, c.held_keep, c.forward_s, c.backward_s, c.copy_s)
-            for i, c in enumerate(costs)]
+    return [dataclasses.replace(c, name=f"model.layers.{i}") for i, c in enumerate(costs)]
+
+
+def _choices(c: LayerCost) -> list[Choice]:
+    return [x for x in Choice if x is not Choice.SAC or c.sac_offered]
 
 
 @settings(max_examples=150, deadline=None)
@@ -27,7 +31,7 @@ def _named(costs: list[LayerCost]) -> list[LayerCost]:
 def test_the_least_time_under_the_budget(costs: list[LayerCost], room: int, lean: int) -> None:
     costs = _named(costs)
     d = choose(costs, lean + room, lean, fixed_s=1.0)
-    fitting = [ch for ch in itertools.product(list(Choice), repeat=len(costs))
+    fitting = [ch for ch in itertools.product(*[_choices(c) for c in costs])
                if predict(costs, ch, lean, 1.0)[0] <= lean + room]
     if not d.fits:
         assert not fitting and d.choices == (Choice.OFFLOAD,) * len(costs)
@@ -54,8 +58,8 @@ def test_copies_slower_than_compute_recompute_instead() -> None:
     # Room for two layers without checkpointing only if the other two hold nothing (offload), not their inputs.
     fast = [LayerCost(f"l{i}", 100, 10, forward_s=1.0, backward_s=2.0, copy_s=0.1) for i in range(4)]
     slow = [LayerCost(f"l{i}", 100, 10, forward_s=1.0, backward_s=2.0, copy_s=5.0) for i in range(4)]
-    assert choose(fast, 200 + 19, 0, 0.0).counts() == {"none": 2, "keep": 0, "offload": 2}
-    assert choose(slow, 200 + 19, 0, 0.0).counts() == {"none": 1, "keep": 3, "offload": 0}
+    assert choose(fast, 200 + 19, 0, 0.0).counts() == {"none": 2, "keep": 0, "sac": 0, "offload": 2}
+    assert choose(slow, 200 + 19, 0, 0.0).counts() == {"none": 1, "keep": 3, "sac": 0, "offload": 0}
 
 
 def test_pins_and_what_does_not_fit() -> None:
@@ -66,5 +70,34 @@ def test_pins_and_what_does_not_fit() -> None:
     assert not d.fits and d.choices == (Choice.OFFLOAD,) * 3 and "DOES NOT FIT" in d.table(costs)
     with pytest.raises(ValueError, match="l7"):
         choose(costs, 10_000, 0, 0.0, pins={"l7": Choice.NONE})
-    with pytest.raises(ValueError, match="must be one of none, keep, offload"):
+    with pytest.raises(ValueError, match="must be one of none, keep, sac, offload"):
         Choice.parse("maybe", "the pin")
+    with pytest.raises(ValueError, match="pins sac on l0, whose projections were not measured"):
+        choose(costs, 10_000, 0, 0.0, pins={"l0": Choice.SAC})
+
+
+def _sac_layers(copy_s: float) -> list[LayerCost]:
+    """4 layers: 100 bytes without checkpointing, a 10-byte input, 40 bytes of projections that take 0.6 of the
+    1.0 s forward."""
+    return [LayerCost(f"l{i}", 100, 10, forward_s=1.0, backward_s=2.0, copy_s=copy_s, sac_bytes=40,
+                      projection_s=0.6) for i in range(4)]
+
+
+def test_sac_skips_the_projections_recompute_where_copies_hide_and_its_window_fits() -> None:
+    fast = _sac_layers(0.1)
+    # Room for the window of two layers' projections (80 bytes), not for a layer without checkpointing plus it.
+    d = choose(fast, 80, 0, 0.0)
+    assert d.counts() == {"none": 0, "keep": 0, "sac": 4, "offload": 0}
+    assert d.peak_bytes == 80 and d.step_s == pytest.approx(4 * 0.4 + 0.5)  # recompute 0.4 each; fill: one 5x copy
+    assert "sac window: " in d.table(fast)
+    # One byte less: no window, so keep (the recompute whole, no copy); with less room still, offload.
+    assert choose(fast, 79, 0, 0.0).counts() == {"none": 0, "keep": 4, "sac": 0, "offload": 0}
+    assert choose(fast, 9, 0, 0.0).counts() == {"none": 0, "keep": 0, "sac": 0, "offload": 4}
+    # The window is one term whatever the count: room for it and one layer without checkpointing.
+    assert choose(fast, 180, 0, 0.0).counts() == {"none": 1, "keep": 0, "sac": 3, "offload": 0}
+    # Copies 5x the input's, slower than what hides them: the plain offload (or keep) is faster.
+    slow = _sac_layers(0.5)
+    assert choose(slow, 80, 0, 0.0).counts()["sac"] == 0
+    # A window of 1 (no prefetch) costs half.
+    assert choose(fast, 40, 0, 0.0, sac_window=1).counts()["sac"] == 4
+

@@ -7,14 +7,20 @@ before the layer runs (the patch calls `before_layer`); the first layer's call s
   In the first, each kind of layer (its class and parameter shapes) is probed once at its own call: its forward
   without checkpointing under a counting saved-tensor hook (what it would hold on the device: `held_none`), its
   backward (`torch.autograd.grad` to its input and parameters: no `.grad` is touched), and a copy of its input to
-  pinned host memory and back (the copy time); all under a forked RNG, so the step's dropout is untouched. A probe
+  pinned host memory and back (the copy time); all under a forked RNG, so the step's dropout is untouched. Where the
+  layer's checkpoint could run selectively (non-reentrant, no context_fn of the user's), the probe's forward also
+  records its projections (aten.mm and aten.addmm: the linear layers) under a dispatch mode, each timed, and which
+  of their outputs a recompute reads (those made before the layer's last saved tensor: torch's early stop ends the
+  recompute there): the `sac` choice's bytes and the time it saves. A probe
   that would not fit the budget is not run (that layer is never left unchekpointed); one that runs out of memory
   marks the same. The last calibration step's device peak and time are the lean baseline.
 - The decision (hsoffload.choose): the least predicted step time whose predicted peak (the lean peak plus what the
   decision holds, plus a safety margin) is under the budget; logged as a table once per decision.
 - Applied per layer: `none` clears the layer's `gradient_checkpointing` flag (transformers honours it per layer),
   `keep` leaves it checkpointed but not offloaded (the layer tracker's selection), `offload` is policy
-  hidden_states. Restored when the scope exits.
+  hidden_states, `sac` is offload with the layer's checkpoint given a selective context (`SAC_CONTEXT`) that asks
+  `CheckpointPolicy.MUST_CPU_OFFLOAD` for its projections (hsoffload.offload.sac moves them). Restored when the scope
+  exits.
 - Verified every step: the measured peak against the budget and the prediction, the step time against the
   prediction. A peak over the prediction raises the margin by the difference (the margin only grows: no
   oscillation) and, when the decision then no longer fits, decides again. A batch with more tokens than any
@@ -30,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -40,10 +47,12 @@ import zlib
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .._logging import log_once
-from ..choose import Choice, Decision, LayerCost, choose, predict
-from ..targets import LAYER_ATTR
+from ..choose import SAC_WINDOW, Choice, Decision, LayerCost, choose, predict
+from ..targets import LAYER_ATTR, unwrap_marking
 from .ranks import Ranks
 
 logger = logging.getLogger("hsoffload")
@@ -52,7 +61,69 @@ BUDGET_FRACTION = 0.95  # without device_budget: this share of the device's memo
 PROBE_GUESS = 24  # a probe runs only if this many times the layer's input still fits under the budget
 BUCKET = 1.25  # a longer batch calibrates for at least this many times the longest calibrated (variable lengths)
 HISTORY = 1000  # steps kept in `history`
-STATE_VERSION = 1  # of the file auto_state_path names
+STATE_VERSION = 2  # of the file auto_state_path names (2: probes measure the projections)
+
+# The `sac` choice: a layer's projections (the linear layers' matmuls) offloaded by SAC, the rest recomputed. Absent
+# (None) on torch releases without CheckpointPolicy.MUST_CPU_OFFLOAD: then the choice is never offered.
+_CPU_OFFLOAD = getattr(CheckpointPolicy, "MUST_CPU_OFFLOAD", None)
+PROJECTIONS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+
+
+def _projections_to_host(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The `sac` choice's selective-checkpoint policy: the projections' outputs to the host, the rest recomputed."""
+    return _CPU_OFFLOAD if op in PROJECTIONS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# The context_fn a `sac` layer's checkpoint is called with (one object: the controller recognises its own).
+SAC_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _projections_to_host)
+
+
+def _selective_ready(layer: torch.nn.Module) -> Optional[functools.partial]:
+    """The layer's checkpoint function if the `sac` choice can give it a selective context: torch's non-reentrant
+    checkpoint as transformers binds it, without a context_fn of the user's (whose SAC would be replaced)."""
+    func = unwrap_marking(getattr(layer, LAYER_ATTR, None))
+    if _CPU_OFFLOAD is None or not isinstance(func, functools.partial):
+        return None
+    kw = func.keywords
+    if kw.get("use_reentrant") is not False or kw.get("context_fn") not in (None, SAC_CONTEXT):
+        return None
+    return func
+
+
+def _is_selective(func: Any) -> bool:
+    """Whether a layer's checkpoint function is the one the `sac` choice installed (wrapped by the patch or not)."""
+    func = unwrap_marking(func)
+    return isinstance(func, functools.partial) and func.keywords.get("context_fn") is SAC_CONTEXT
+
+
+class _Projections(TorchDispatchMode):
+    """The projections of one forward, in order: each output's bytes and time (synchronized around each: a probe's
+    forward, once per kind of layer); `read` how many came before the last saved tensor (set by the probe's pack
+    hook), the ones a recompute reaches."""
+
+    def __init__(self, synchronize: Callable[[], None]) -> None:
+        super().__init__()
+        self.synchronize = synchronize
+        self.made: list[tuple[int, float]] = []
+        self.read = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func not in PROJECTIONS:
+            return func(*args, **(kwargs or {}))
+        self.synchronize()
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.synchronize()
+        self.made.append((out.numel() * out.element_size(), time.perf_counter() - t0))
+        return out
+
+    def saved(self) -> None:
+        self.read = len(self.made)
+
+    def measured(self) -> tuple[int, float]:
+        """The bytes and time of the projections a recompute reads."""
+        return sum(b for b, _ in self.made[:self.read]), sum(t for _, t in self.made[:self.read])
+
 
 
 @dataclasses.dataclass
@@ -181,9 +252,12 @@ class _Probe:
     held_none: int  # bytes (math.inf-like huge: never leave unchekpointed)
     backward_s: float
     copy_s: float
+    sac_bytes: int = 0  # the projections' outputs its recompute reads (0: the sac choice not offered)
+    projection_s: float = 0.0
 
 
 NEVER = 1 << 62  # held bytes of a choice that must never be taken
+_ABSENT = object()  # a layer without its own checkpoint function (transformers' is on its class)
 
 
 class AutoController:
@@ -241,6 +315,11 @@ class AutoController:
         self._step: Optional[dict[str, Any]] = None  # the step in progress
         self._layer_t0: Optional[tuple[int, float]] = None
         self._flags: dict[int, bool] = {}  # each layer's gradient_checkpointing before this controller set it
+        # `sac` layers: their own checkpoint function (the instance's attribute, or _ABSENT), and the selective one
+        # installed for sac (kept wrapped across scopes: hsoffload.offload.sac learns per wrapped function which
+        # entries a recompute leaves unread)
+        self._checkpoints: dict[int, list[Any]] = {}
+        self.sac_window = SAC_WINDOW  # layers of sac entries on the device at once (the prefetch depth + 1)
 
     @property
     def lean_peak(self) -> Optional[int]:
@@ -516,16 +595,18 @@ class AutoController:
                 name=name, held_none=held_none if held_none >= NEVER else math.ceil(held_none * fp * fp * self.forwards),
                 held_keep=math.ceil(self.held_keep.get(k, NEVER) * ff * self.forwards) if k in self.held_keep else NEVER,
                 forward_s=fwd * ff, backward_s=(probe.backward_s * fp) if probe else 2 * fwd * ff,
-                copy_s=(probe.copy_s * fp) if probe else 0.0))
+                copy_s=(probe.copy_s * fp) if probe else 0.0,
+                sac_bytes=math.ceil(probe.sac_bytes * fp) if probe else 0,
+                projection_s=(probe.projection_s * fp) if probe else 0.0))
         lean = [Choice.OFFLOAD] * len(layers)
-        _, lean_s = predict(costs, lean, 0, 0.0)
+        _, lean_s = predict(costs, lean, 0, 0.0, self.sac_window)
         fixed_s = self.lean_step_s - lean_s  # the step without any layer's extra: what the lean step measured, less
         lean_peak = self.lean_peak
         room = self.budget - self.margin - lean_peak
         costs, fixed_s, room = self._agree(costs, fixed_s, room)
         self.costs = costs
         self.decided_start_bytes = self.start_bytes
-        self.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins)
+        self.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins, self.sac_window)
         self.decisions += 1
         self.reason = why
         self._save()
@@ -649,7 +730,7 @@ class AutoController:
         assert self.ranks is not None
         if self.ranks.size == 1:
             return costs, fixed_s, room
-        fields = ("held_none", "held_keep", "forward_s", "backward_s", "copy_s")
+        fields = ("held_none", "held_keep", "forward_s", "backward_s", "copy_s", "sac_bytes", "projection_s")
         pins = zlib.crc32(repr(sorted((k, v.value) for k, v in self.pins.items())).encode())
         shape = zlib.crc32(repr([c.name for c in costs]).encode())
         flat = [float(getattr(c, f)) for c in costs for f in fields]
@@ -663,7 +744,7 @@ class AutoController:
         for k, c in enumerate(costs):
             v = agreed[k * len(fields):(k + 1) * len(fields)]
             out.append(dataclasses.replace(c, held_none=int(v[0]), held_keep=int(v[1]), forward_s=v[2],
-                                           backward_s=v[3], copy_s=v[4]))
+                                           backward_s=v[3], copy_s=v[4], sac_bytes=int(v[5]), projection_s=v[6]))
         return out, tail[0], int(-tail[1])
 
     def report(self) -> str:
@@ -704,15 +785,47 @@ class AutoController:
             if id(layer) not in self._flags:
                 self._flags[id(layer)] = bool(getattr(layer, "gradient_checkpointing", False))
             layer.gradient_checkpointing = choice is not Choice.NONE
+            self._set_selective(layer, choice is Choice.SAC)
             stats = tracker.layers.get(name)
             if stats is not None:
-                stats.selected = choice is Choice.OFFLOAD
+                stats.selected = choice in (Choice.OFFLOAD, Choice.SAC)
+
+    def _set_selective(self, layer: torch.nn.Module, on: bool) -> None:
+        """Give a `sac` layer's checkpoint the selective context (SAC_CONTEXT), or its own function back."""
+        entry = self._checkpoints.get(id(layer))
+        installed = layer.__dict__.get(LAYER_ATTR, _ABSENT)
+        if entry is not None:
+            if _is_selective(installed):
+                entry[1] = installed  # ours, as the patch wrapped it (its SAC memory kept for the next time)
+            elif installed is not entry[0]:  # the user set another checkpoint function since: theirs from now on
+                del self._checkpoints[id(layer)]
+                entry = None
+        if not on:
+            if entry is not None and _is_selective(installed):
+                if entry[0] is _ABSENT:
+                    del layer.__dict__[LAYER_ATTR]
+                else:
+                    layer.__dict__[LAYER_ATTR] = entry[0]
+            return
+        if entry is None:
+            func = _selective_ready(layer)
+            if func is None:  # the decision offers sac only where the probe found it ready
+                raise RuntimeError(f"hsoffload: policy auto chose sac for {type(layer).__name__}, whose checkpoint "
+                                   "function changed since it was probed (it is no longer torch's non-reentrant "
+                                   "checkpoint without a context_fn): call auto.pin() with keep or offload for it")
+            entry = [installed, functools.partial(func.func, *func.args, **{**func.keywords,
+                                                                             "context_fn": SAC_CONTEXT})]
+            self._checkpoints[id(layer)] = entry
+        layer.__dict__[LAYER_ATTR] = entry[1]
 
     def restore(self) -> None:
-        """Give every layer back the gradient_checkpointing flag it had (the scope exits)."""
+        """Give every layer back the gradient_checkpointing flag and the checkpoint function it had (the scope
+        exits)."""
         for _, layer in self.layers:
             if id(layer) in self._flags:
                 layer.gradient_checkpointing = self._flags.pop(id(layer))
+            if id(layer) in self._checkpoints:
+                self._set_selective(layer, False)
 
     # -- the probe ------------------------------------------------------------------------------------------------
 
@@ -772,12 +885,15 @@ class AutoController:
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
+            if projections is not None:
+                projections.saved()
             if t.device == x.device and t.layout == torch.strided and t.numel() > 0:
                 ptr = t.untyped_storage().data_ptr()
                 if ptr not in params:
                     saved[ptr] = t.untyped_storage().nbytes()
             return t
 
+        projections = _Projections(self.memory.synchronize_compute) if _selective_ready(layer) is not None else None
         flag = layer.gradient_checkpointing
         layer.gradient_checkpointing = False
         try:
@@ -785,7 +901,8 @@ class AutoController:
                 probe_x = x.detach().requires_grad_(True)
                 probe_args = (probe_x,) + tuple(args[1:]) if args else ()
                 probe_kwargs = kwargs if args else {**kwargs, "hidden_states": probe_x}
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
+                        projections if projections is not None else contextlib.nullcontext()):
                     out = _first_tensor(run(layer, *probe_args, **probe_kwargs))
                 if out is None or not out.requires_grad:
                     return _Probe(NEVER, 0.0, self._copy_s(x))
@@ -796,7 +913,8 @@ class AutoController:
                 del out
         finally:
             layer.gradient_checkpointing = flag
-        return _Probe(sum(saved.values()), backward_s, self._copy_s(x))
+        sac_bytes, projection_s = projections.measured() if projections is not None else (0, 0.0)
+        return _Probe(sum(saved.values()), backward_s, self._copy_s(x), sac_bytes, projection_s)
 
 
 @contextlib.contextmanager
@@ -873,10 +991,14 @@ def controller_for(model: torch.nn.Module, layer_cls: type, config: Any) -> Auto
     if ctl is None:
         ctl = AutoController(model, layer_cls, config.device_budget, config.auto_calibration_steps,
                              config.auto_report_only, config.auto_state_path)
+        ctl.sac_window = config.prefetch_depth + 1
         _controllers[model] = ctl
     else:
         ctl.report_only = config.auto_report_only
         ctl.calibration_steps = config.auto_calibration_steps
+        if config.prefetch_depth + 1 != ctl.sac_window:
+            ctl.sac_window = config.prefetch_depth + 1
+            ctl.request("prefetch_depth changed")
         if config.auto_state_path is not None:
             ctl.state_path = config.auto_state_path
         if config.device_budget is not None and config.device_budget != ctl.budget_arg:

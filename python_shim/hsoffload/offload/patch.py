@@ -204,16 +204,18 @@ def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callabl
             if visit is not None:
                 end_compiled_layer(scope, visit)
             return out
-        # Every policy, and outside scopes too (a selective checkpoint's policy may ask for CPU offload)
-        _sac.wrap_checkpoint_fn(self)
         scope = current_scope()
-        if scope is None:
-            return previous(self, *args, **kwargs)
-        if scope.auto is not None:  # policy auto: a step starts at the first layer; this layer's choice is set
+        if scope is not None and scope.auto is not None:
+            # policy auto: a step starts at the first layer; the layers' choices (a sac layer's checkpoint function
+            # included) are set before this layer's is wrapped below
             scope.auto.before_layer(scope, self, args, kwargs, previous)
-        elif chooses_per_layer(scope.config.policy):
+        elif scope is not None and chooses_per_layer(scope.config.policy):
             raise RuntimeError("hsoffload: policy auto needs the model: hsoffload.offload_hidden_states(model, "
                                "policy='auto', ...) or scope.bind_model(model) before the first step")
+        # Every policy, and outside scopes too (a selective checkpoint's policy may ask for CPU offload)
+        _sac.wrap_checkpoint_fn(self)
+        if scope is None:
+            return previous(self, *args, **kwargs)
         visit = None
         try:
             # `layer.compile()` traces Module.__call__'s body (forward, the checkpoint function): a mark there would be

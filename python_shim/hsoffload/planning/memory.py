@@ -511,6 +511,19 @@ def sac_elements_per_token(shape: ModelShape) -> int:
     return q + 2 * kv + shape.hidden + mlp + shape.hidden
 
 
+def sac_read_elements_per_token(shape: ModelShape, moe: bool) -> int:
+    """Elements per token of one layer's projection outputs that its recompute reads (policy auto's `sac` choice):
+    every projection's but a dense MLP's down projection, made after the layer's last saved tensor (torch's early
+    stop ends the recompute before it); an MoE layer's experts' outputs are weighted by the router (saved), and its
+    router's logits are read."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    if not moe:
+        return q + 2 * kv + shape.hidden + 2 * shape.intermediate
+    experts = shape.experts_per_token * (2 * shape.expert_intermediate + shape.hidden) + shape.experts
+    shared = 3 * shape.shared_expert_intermediate if shape.shared_expert_intermediate else 0
+    return q + 2 * kv + shape.hidden + experts + shared
+
+
 def _local_heads(shape: ModelShape, s: Setup) -> int:
     return shape.heads // s.sequence_parallel
 

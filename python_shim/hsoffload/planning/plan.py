@@ -460,15 +460,18 @@ def auto_decision(shape: pm.ModelShape, s: pm.Setup, device: timing.DeviceProfil
     plain = dataclasses.replace(s, checkpointing=False, offload=None)
     link = timing.copy_bandwidth(device, local)
     costs = []
+    projections = timing.projection_times(shape, lean, device)
     for i, (fwd, bwd) in enumerate(timing.layer_times(shape, lean, device)):
         moe = pm.is_moe_layer(shape, i)
         held_keep = pm.held_per_layer_bytes(shape, dataclasses.replace(lean, offload=None), moe)
         costs.append(choose.LayerCost(name=f"model.layers.{i}", held_none=pm.held_per_layer_bytes(shape, plain, moe),
-                                      held_keep=held_keep, forward_s=fwd, backward_s=bwd, copy_s=held_keep / link))
+                                      held_keep=held_keep, forward_s=fwd, backward_s=bwd, copy_s=held_keep / link,
+                                      sac_bytes=lean.tokens * pm.sac_read_elements_per_token(shape, moe)
+                                      * lean.dtype_bytes, projection_s=projections[i]))
     lean_phase = pm.peak(shape, lean)
     lean_reserved = budget.reserved(shape, lean, lean_phase.total)
     fixed = timing.step_time(shape, plain, device, [0] * shape.layers, local).total_s
-    d = choose.choose(costs, device_bytes, lean_reserved, fixed)
+    d = choose.choose(costs, device_bytes, lean_reserved, fixed, sac_window=s.prefetch_depth + 1)
     return AutoPlan(choices=[str(c) for c in d.choices], counts=d.counts(), budget_bytes=device_bytes,
                     peak_bytes=d.peak_bytes, step_time_s=d.step_s, fits=d.fits, table=d.table(costs))
 

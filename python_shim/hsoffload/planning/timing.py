@@ -179,6 +179,18 @@ def layer_times(shape: ModelShape, s: Setup, p: DeviceProfile) -> list[tuple[flo
     return out
 
 
+def projection_times(shape: ModelShape, s: Setup, p: DeviceProfile) -> list[float]:
+    """Each decoder layer's forward of the projections its recompute reads (seconds on profile `p`): what policy
+    auto's `sac` choice saves; a dense MLP's down projection is not read (memory.sac_read_elements_per_token)."""
+    rate = p.tflops * 1e12
+    out = []
+    for i in range(shape.layers):
+        moe = is_moe_layer(shape, i)
+        read = _active_layer_parameters(shape, moe) - (0 if moe else shape.hidden * shape.intermediate)
+        out.append(2 * read * s.tokens / rate)
+    return out
+
+
 def step_time(shape: ModelShape, s: Setup, p: DeviceProfile, offloaded_layer_bytes: list[int],
               local_world_size: int) -> StepTime:
     """The predicted step of `s` on profile `p`; `offloaded_layer_bytes[i]`: what layer i copies to the host and back

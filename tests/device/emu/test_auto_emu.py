@@ -133,9 +133,45 @@ def test_every_budget_is_kept_and_gradients_are_plain_checkpointings(dev: torch.
     assert predicted == sorted(predicted, reverse=True), "more room never makes the predicted step slower"
     counts = [d.counts() for d in decided]
     assert counts[0]["none"] == 0, "at the leanest choice's peak no layer can go without checkpointing"
-    assert counts[-1] == {"none": 4, "keep": 0, "offload": 0}, "above the no-checkpointing peak nothing is checkpointed"
+    assert counts[-1] == {"none": 4, "keep": 0, "sac": 0, "offload": 0}, "above the no-checkpointing peak nothing is checkpointed"
     assert [c["none"] for c in counts] == sorted(c["none"] for c in counts)
     assert predicted[-1] < predicted[0]
+    # Copies cost nothing here: between the leanest and no checkpointing, the layers left checkpointed skip their
+    # projections' recompute (sac) where the window of their outputs fits.
+    assert any(c["sac"] for c in counts), counts
+
+
+def test_sac_moves_the_projections_and_the_recompute_reads_them_bitwise(dev: torch.device,
+                                                                         reference: dict[str, Any]) -> None:
+    """Every layer pinned to sac: each step offloads each layer's input and the outputs of its projections (q, k, v,
+    o, gate, up, down: 7 matmuls) and the recompute reads them back instead of recomputing them, except the down
+    projection's (after the layer's last saved tensor: learned unread in the first sac step, not copied after);
+    gradients bit for bit those of plain checkpointing."""
+    with hsemu.copy_delay(0, 0, 0):
+        model, opt = _model(dev)
+        grads, moved = [], []
+        for step in range(STEPS):
+            ids = _ids(dev, SEQ, step)
+            with hsoffload.offload_hidden_states(model, policy="auto", device_budget=1 << 40,
+                                                 min_offload_size=0) as scope:
+                if step == 0:
+                    auto.pin(model, {f"model.layers.{i}": "sac" for i in range(4)})
+                model(input_ids=ids, labels=ids).loss.backward()
+            moved.append((scope.stats.offloaded_tensors, scope.stats.restored_tensors))
+            grads.append([p.grad.cpu() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        # The installed selective checkpoint goes with the scope: every layer has its own function back.
+        assert all(not auto._is_selective(layer.__dict__.get("_gradient_checkpointing_func"))
+                   for layer in model.model.layers)
+    assert _same(grads, reference["grads"]), "gradients differ from plain checkpointing"
+    ctl = auto.controller(model)
+    assert ctl.choices() == [Choice.SAC] * 4
+    assert moved[:2] == [(4, 4)] * 2, moved  # calibration: the inputs
+    assert moved[2] == (4 + 4 * 7, 4 + 4 * 6), moved  # first sac step: the down projections' outputs unread
+    assert moved[3:] == [(4 + 4 * 6, 4 + 4 * 6)] * (STEPS - 3), moved
+    c = ctl.costs[0]
+    assert c.sac_bytes == SEQ * (4 * 64 + 2 * 256) * 4, c  # q, k, v, o and gate, up outputs in float32
 
 
 def test_slow_copies_keep_or_recompute_instead_of_offloading(dev: torch.device) -> None:
@@ -164,9 +200,9 @@ def test_slow_copies_keep_or_recompute_instead_of_offloading(dev: torch.device) 
     # forward offload, copies far over it recompute.
     fast, slow = measured["fast"], measured["slow"]
     assert slow.copy_s > slow.forward_s + slow.backward_s, slow
-    assert decisions["slow"]["offload"] == 0 and decisions["slow"]["none"] == 1, decisions
+    assert decisions["slow"]["offload"] == decisions["slow"]["sac"] == 0 and decisions["slow"]["none"] == 1, decisions
     if fast.copy_s < 0.5 * fast.forward_s:
-        assert decisions["fast"] == {"none": 2, "keep": 0, "offload": 2}, (decisions, fast)
+        assert decisions["fast"] == {"none": 2, "keep": 0, "sac": 0, "offload": 2}, (decisions, fast)
 
 
 def test_a_longer_batch_is_calibrated_before_it_is_decided_for(dev: torch.device, reference: dict[str, Any],
@@ -211,7 +247,7 @@ def test_pins_are_respected(dev: torch.device, reference: dict[str, Any]) -> Non
     assert "(pinned: model.layers.1)" in d.table()
     with pytest.raises(ValueError, match="model.layers.9"):
         auto.pin(model, {"model.layers.9": "none"})
-    with pytest.raises(ValueError, match="must be one of none, keep, offload"):
+    with pytest.raises(ValueError, match="must be one of none, keep, sac, offload"):
         auto.pin(model, {"model.layers.0": "sometimes"})
 
 
@@ -225,8 +261,9 @@ def test_auto_without_a_model_says_what_to_pass(dev: torch.device) -> None:
 
 def test_the_planners_decision_is_the_runtimes(dev: torch.device, tmp_path: Any,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """`hsoffload plan --policy auto` on the same config, length and budget (the device's: no CUDA context or
-    allocator margin here) decides as the runtime does after calibration, layer by layer, at budgets between the
+    """`hsoffload plan --policy auto` on the same config, length, budget (the device's: no CUDA context or
+    allocator margin here) and rates (the compute and copy rates calibration measured) decides as the runtime does
+    after calibration, layer by layer, at budgets between the
     leanest choice and past the peak without checkpointing (each half-way between two counts of layers left
     unchekpointed, where a few percent of the bytes do not change the answer)."""
     from hsoffload import plan
@@ -242,6 +279,11 @@ def test_the_planners_decision_is_the_runtimes(dev: torch.device, tmp_path: Any,
             opt.zero_grad(set_to_none=True)
         ctl = auto.controller(model)
         a = ctl.costs[0].held_none
+        # The device's rates as calibration measured them (the plan's --tflops and --bandwidth): the projections'
+        # matmuls (2 x 48 Ki parameters a token: q, k, v, o, gate, up) and a layer's input copied.
+        c = ctl.costs[0]
+        tflops = 2 * (4 * 64 * 64 + 2 * 64 * 256) * SEQ / c.projection_s / 1e12
+        bandwidth = c.held_keep / c.copy_s / 1e9
         rows = []
         for k in range(9):
             budget = int(ctl.lean_peak + (k + 0.5) * a)
@@ -250,6 +292,7 @@ def test_the_planners_decision_is_the_runtimes(dev: torch.device, tmp_path: Any,
             planned = plan.plan(plan.PlanInput(
                 config=str(tmp_path), seq_len=SEQ, dtype="float32", attn="math", policy="auto", device_bytes=budget,
                 overhead_bytes=0, fragmentation=0.0, host_ram_bytes=1 << 40, fsdp=False, optimizer="adamw",
+                tflops=tflops, bandwidth_gbps=bandwidth,
             )).auto_decision
             runtime = [str(c) for c in ctl.decision.choices]
             rows.append((budget, runtime, planned.choices))
