@@ -135,9 +135,10 @@ OPTIONS: tuple[Option, ...] = (
            env="HSOFFLOAD_MAX_HOST_BYTES"),
     Option("policy", POLICY, PolicyName.HIDDEN_STATES, "what is offloaded: hidden_states, sac (plus what selective "
            "checkpointing keeps), all (every saved activation; no checkpointing needed) or auto (per layer, measured: "
-           "no checkpointing, input kept or offloaded, the fastest step under device_budget)", plan_flag="--policy"),
-    Option("device_budget", BYTES, None, "policy auto: the device bytes a step may peak at (null: the device's "
-           "memory less 5 %)", nullable=True),
+           "no checkpointing, input kept, projections and input offloaded (sac) or input offloaded, the fastest step "
+           "under device_budget)", plan_flag="--policy"),
+    Option("device_budget", BYTES, None, "policy auto: the device bytes a step may reserve at its peak (null: the "
+           "device's memory less what the process holds outside the allocator, less 2 %; at most 95 %)", nullable=True),
     Option("auto_calibration_steps", INT, 2, "policy auto: steps run with every layer offloaded, measuring, before "
            "the first decision", minimum=1, maximum=100),
     Option("auto_report_only", BOOL, False, "policy auto: decide and log, but keep every layer offloaded"),

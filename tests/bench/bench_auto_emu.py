@@ -6,8 +6,10 @@ tokens, AdamW. At two copy/compute ratios (an H100-like one, where a layer's cop
 forward, and a copy-bound one, 3x its forward: `hsemu.copy_rate`) and at 4 budgets between the leanest choice's
 peak and the peak without checkpointing, it measures:
 
-- the fixed configurations: checkpointing alone, offload of every layer (hidden_states), every `keep_last_layers`
-  from 1 to 5, no checkpointing; each its whole step's device peak and step time;
+- the fixed configurations: checkpointing alone, offload of every layer (hidden_states), selective checkpointing of
+  every layer with its projections' outputs offloaded (`sac_all`: a `context_fn` whose policy asks
+  `MUST_CPU_OFFLOAD` for aten.mm/addmm, as auto's sac choice does), every `keep_last_layers` from 1 to 5, no
+  checkpointing; each its whole step's device peak and step time;
 - `policy="auto", device_budget=B`: its peak over every step (calibration included) and its step time after the
   decision.
 
@@ -76,6 +78,8 @@ class Runner:
         if config == "none":
             for layer in self.model.model.layers:
                 layer.gradient_checkpointing = False
+        if config == "sac_all":
+            enable_checkpointing(self.model, {"use_reentrant": False, "context_fn": auto.SAC_CONTEXT})
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
         self.opt.step()
@@ -161,7 +165,8 @@ def main() -> int:
     x_bytes = costs[0].held_keep
     del probe, costs
     gc.collect()
-    fixed_names = ["checkpointing", "offload_all"] + [f"keep_last_layers={k}" for k in range(1, LAYERS)] + ["none"]
+    fixed_names = (["checkpointing", "offload_all", "sac_all"] + [f"keep_last_layers={k}" for k in range(1, LAYERS)]
+                   + ["none"])
     results = []
     misses = []
     for name, ratio in (("H100-like (copy = 1/6 of a layer's forward)", 1 / 6), ("copy-bound (copy = 3x forward)", 3.0)):

@@ -128,8 +128,8 @@ def test_a_restarted_run_reuses_the_measurements_and_decides_alike(tmp_path: Pat
 
 def test_a_file_for_another_model_is_not_reused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     state = tmp_path / "auto.json"
-    state.write_text(json.dumps({"version": 1, "layers": ["other.0"], "kinds": [], "world": 1, "rank": 0,
-                                 "device": "cpu"}))
+    state.write_text(json.dumps({"version": auto.STATE_VERSION, "layers": ["other.0"], "kinds": [], "world": 1,
+                                 "rank": 0, "device": "cpu"}))
     model, opt = _model()
     with caplog.at_level(logging.INFO, logger="hsoffload"):
         _steps(model, opt, range(3), 12 * MIB, auto_state_path=str(state))
@@ -137,6 +137,15 @@ def test_a_file_for_another_model_is_not_reused(tmp_path: Path, caplog: pytest.L
     assert ctl.restored is None and not ctl.history[0].decided
     assert any("not reused: it was saved for another layers, kinds" in r.getMessage() for r in caplog.records)
     assert json.loads(state.read_text())["layers"][0] == "model.layers.0"  # overwritten by this run's decision
+    # A file of an older format (version 1: probes without the projections) is not reused either.
+    saved = json.loads(state.read_text())
+    state.write_text(json.dumps({**saved, "version": 1}))
+    caplog.clear()
+    model, opt = _model()
+    with caplog.at_level(logging.INFO, logger="hsoffload"):
+        _steps(model, opt, range(3), 12 * MIB, auto_state_path=str(state))
+    assert auto.controller(model).restored is None
+    assert any("not reused: it was saved for another version" in r.getMessage() for r in caplog.records)
 
 
 def test_a_model_without_a_torch_optimizer_still_decides_beside_one_with() -> None:

@@ -57,7 +57,9 @@ from .ranks import Ranks
 
 logger = logging.getLogger("hsoffload")
 
-BUDGET_FRACTION = 0.95  # without device_budget: this share of the device's memory
+BUDGET_FRACTION = 0.95  # without device_budget: at most this share of the device's memory
+HEADROOM_FRACTION = 0.02  # without device_budget: this share of the device left free beside what the process holds
+# outside the allocator (measured at the decision: the CUDA context, communicators' buffers, other processes)
 PROBE_GUESS = 24  # a probe runs only if this many times the layer's input still fits under the budget
 BUCKET = 1.25  # a longer batch calibrates for at least this many times the longest calibrated (variable lengths)
 HISTORY = 1000  # steps kept in `history`
@@ -137,6 +139,7 @@ class StepRecord:
     predicted_step_s: Optional[float]
     measured_step_s: float
     decision_index: int = 0  # the decision it ran with (controller.decisions then; 0: none)
+    measured_reserved_bytes: Optional[int] = None  # the allocator's reserved peak, where the device tells it
 
 
 class DeviceMemory:
@@ -171,6 +174,33 @@ class DeviceMemory:
         if self._meter is not None:
             return int(self._meter.cpu_meter_stats()["peak_allocated_bytes"])
         return self._call("max_memory_allocated", self.device)
+
+    def reserved_peak(self) -> Optional[int]:
+        """The caching allocator's reserved high-water mark (what the device really gives the process's tensors:
+        allocated plus the cache's unused blocks); None where the device keeps no such figure (the CPU meter)."""
+        if self._meter is not None:
+            return None
+        return self._call("max_memory_reserved", self.device)
+
+    def outside_allocator(self) -> Optional[int]:
+        """Device bytes in use that the allocator does not hold (the CUDA context, communicators' buffers, other
+        processes): used minus reserved; None where unknown."""
+        if self._meter is not None:
+            return None
+        try:
+            info = self._call("mem_get_info", self.device)
+        except RuntimeError:
+            return None
+        reserved = self._call("memory_reserved", self.device)
+        if info is None or reserved is None:
+            return None
+        return max(0, int(info[1]) - int(info[0]) - int(reserved))
+
+    def empty_cache(self) -> None:
+        """Give the allocator's unused cached blocks back (where it caches), so that the reserved peak that follows
+        is the coming steps' own."""
+        if self._meter is None:
+            self._call("empty_cache")
 
     def reset_peak(self) -> None:
         if self._meter is not None:
@@ -303,6 +333,10 @@ class AutoController:
         self.decided_start_bytes = 0  # ... when the decision was made
         self.forwards = 1  # forwards seen before one backward (several: each holds what the decision keeps)
         self.margin = 0  # bytes added to every predicted peak; grows by each overshoot seen
+        # The allocator's reserved peak above its allocated peak in the last calibration step (the cache's blocks
+        # not in use, fragmentation): room taken from the budget, which bounds what the device gives the process
+        self.allocator_gap = 0
+        self._fresh: Optional[tuple[int, bool, int]] = None  # the step the allocator's cache was last given back at
         self.decision: Optional[Decision] = None
         self.costs: list[LayerCost] = []
         self.decisions = 0
@@ -428,6 +462,7 @@ class AutoController:
         if self._step is not None and "t1" not in self._step:
             self._mark(self._step, "t1")
             self._step["peak"] = self.memory.peak()
+            self._step["reserved"] = self.memory.reserved_peak()
 
     def _new_step(self, scope: Any, x: torch.Tensor) -> None:
         """A micro-batch starts: the last one is recorded; a decision is made when one is due, at an optimizer step's
@@ -478,6 +513,13 @@ class AutoController:
             else:
                 self._pending = reason  # kept for the next optimizer step's first micro-batch
         decided = self.decision is not None
+        # The reserved peak must be the lean step's or the decision's own, not a cache an earlier step left (the
+        # probe's, or a decision that held more): the last calibration step and a decision's first step start with
+        # the allocator's cache given back.
+        fresh = (self.decisions, decided, self.calibrated)
+        if (decided or self.calibrated == self.calibration_steps - 1) and fresh != self._fresh:
+            self._fresh = fresh
+            self.memory.empty_cache()
         self._step = {"tokens": local_tokens, "decided": decided, "probe": not decided and not self.probes,
                       "decision": self.decision, "hooked": x.requires_grad, "forwards": 1, "start": start,
                       "predicted": self.predicted_peak, "index": self.decisions}
@@ -535,12 +577,13 @@ class AutoController:
                 return None
             self._mark(step, "t1")  # no hook possible: up to this step's start
             step["peak"] = self.memory.peak()
-        peak = step["peak"]
+            step["reserved"] = self.memory.reserved_peak()
+        peak, reserved = step["peak"], step.get("reserved")
         measured_s = self._elapsed(step["t0"], step["t1"])
         decision: Optional[Decision] = step["decision"]
         predicted = step["predicted"] + step["start"] - self.decided_start_bytes if decision else None
         rec = StepRecord(step["tokens"], step["decided"], predicted, peak, decision.step_s if decision else None,
-                         measured_s, step["index"] if decision else 0)
+                         measured_s, step["index"] if decision else 0, reserved)
         self.history.append(rec)
         self._step = None
         if not step["decided"]:
@@ -551,6 +594,8 @@ class AutoController:
             increase = math.ceil((peak - step["start"]) * f * f)
             self.lean_increase = max(self.lean_increase or 0, increase) if self.calibrated > 1 else increase
             self.lean_step_s = measured_s * f
+            if reserved is not None and peak is not None:
+                self.allocator_gap = max(0, reserved - peak)
             return "calibrated" if self.calibrated >= self.calibration_steps else None
         if decision is None or peak is None:
             return None
@@ -565,6 +610,14 @@ class AutoController:
             if step["predicted"] + over > self.budget:
                 self.replans += 1
                 return f"the measured peak {peak / 2**20:.1f} MiB passed the prediction by {over / 2**20:.1f} MiB"
+        if reserved is not None and reserved > self.budget and decision.fits:
+            # What the allocator reserved passed the budget (fragmentation beyond the gap measured): the gap grows
+            # by the difference and the decision is made again
+            over = reserved - self.budget
+            self.allocator_gap += over
+            self.replans += 1
+            return (f"the allocator reserved {reserved / 2**20:.1f} MiB, {over / 2**20:.1f} MiB over the budget "
+                    "(its cache and fragmentation)")
         return None
 
     # -- the decision ---------------------------------------------------------------------------------------------
@@ -602,7 +655,9 @@ class AutoController:
         _, lean_s = predict(costs, lean, 0, 0.0, self.sac_window)
         fixed_s = self.lean_step_s - lean_s  # the step without any layer's extra: what the lean step measured, less
         lean_peak = self.lean_peak
-        room = self.budget - self.margin - lean_peak
+        if self.budget_arg is None:
+            self._default_budget()
+        room = self.budget - self.margin - self.allocator_gap - lean_peak
         costs, fixed_s, room = self._agree(costs, fixed_s, room)
         self.costs = costs
         self.decided_start_bytes = self.start_bytes
@@ -613,6 +668,21 @@ class AutoController:
         logger.info("hsoffload: policy auto, decision %d (%s; %d tokens; margin %.1f MiB)%s:\n%s", self.decisions,
                     why, self.tokens, self.margin / 2**20, " REPORT ONLY, every layer offloaded" if self.report_only
                     else "", self.decision.table(costs))
+
+    def _default_budget(self) -> None:
+        """Without device_budget: the device's memory less what the process holds outside the allocator now (after
+        full steps: the CUDA context, communicators' buffers; other processes too) less HEADROOM_FRACTION of it, at
+        most BUDGET_FRACTION of it."""
+        assert self.memory is not None
+        total, outside = self.memory.total(), self.memory.outside_allocator()
+        if total is None or outside is None:
+            return
+        budget = min(int(total * BUDGET_FRACTION), int(total - outside - total * HEADROOM_FRACTION))
+        if budget != self.budget:
+            logger.info("hsoffload: policy auto: device_budget %.2f GiB: %s's %.2f GiB less %.2f GiB held outside the "
+                        "allocator and %.0f%% headroom (at most %.0f%%)", budget / 2**30, self.memory.device,
+                        total / 2**30, outside / 2**30, HEADROOM_FRACTION * 100, BUDGET_FRACTION * 100)
+            self.budget = budget
 
     # -- kept across restarts (auto_state_path) -----------------------------------------------------------------
 
@@ -650,6 +720,7 @@ class AutoController:
         state = {**self._identity(), "tokens": self.tokens, "calibrated": self.calibrated,
                  "probe_tokens": self.probe_tokens, "forward_tokens": self.forward_tokens, "forwards": self.forwards,
                  "margin": self.margin, "lean_increase": self.lean_increase, "lean_step_s": self.lean_step_s,
+                 "allocator_gap": self.allocator_gap,
                  "forward_s": {str(k): v for k, v in self.forward_s.items()},
                  "held_keep": {str(k): v for k, v in self.held_keep.items()},
                  "probes": {r: dataclasses.asdict(self.probes[k]) for r, k in kinds.items()},
@@ -705,6 +776,7 @@ class AutoController:
         self.forward_tokens = int(state["forward_tokens"])
         self.calibrated = max(int(state["calibrated"]), self.calibration_steps)
         self.forwards, self.margin = int(state["forwards"]), int(state["margin"])
+        self.allocator_gap = int(state.get("allocator_gap", 0))
         self.lean_increase, self.lean_step_s = int(state["lean_increase"]), float(state["lean_step_s"])
         self.forward_s = {int(k): float(v) for k, v in state["forward_s"].items()}
         self.held_keep = {int(k): int(v) for k, v in state["held_keep"].items()}

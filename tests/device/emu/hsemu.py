@@ -84,12 +84,16 @@ def _device_module() -> types.ModuleType:
     mod.memory_allocated = lambda device=None: stats()["allocated_bytes"]  # type: ignore[attr-defined]
     mod.max_memory_allocated = lambda device=None: stats()["peak_allocated_bytes"]  # type: ignore[attr-defined]
     mod.reset_peak_memory_stats = lambda device=None: reset_peak()  # type: ignore[attr-defined]
+    # A caching allocator's reserved bytes: the emulated allocator caches nothing, so reserved is allocated plus the
+    # slack a test sets (`reserved_slack`: a cache's unused blocks, fragmentation).
+    mod.memory_reserved = lambda device=None: stats()["allocated_bytes"] + _reserved_slack[0]  # type: ignore[attr-defined]
+    mod.max_memory_reserved = lambda device=None: stats()["peak_allocated_bytes"] + _reserved_slack[0]  # type: ignore[attr-defined]
 
     def mem_get_info(device: object = None) -> tuple[int, int]:
         total = int(torch.ops.hsemu.device_capacity())
         if total == 0:
             raise RuntimeError("hsemu: the device's capacity is unlimited (set_device_capacity sets one)")
-        return total - stats()["allocated_bytes"], total
+        return total - stats()["allocated_bytes"] - _reserved_slack[0], total
 
     mod.mem_get_info = mem_get_info  # type: ignore[attr-defined]
     return mod
@@ -198,6 +202,21 @@ def event_fault() -> Iterator[None]:
         yield
     finally:
         torch.ops.hsemu.set_event_fault(False)
+
+
+_reserved_slack = [0]  # bytes the device module reports reserved beyond allocated (set by reserved_slack)
+
+
+@contextlib.contextmanager
+def reserved_slack(nbytes: int) -> Iterator[None]:
+    """Inside the block the device module's `memory_reserved` / `max_memory_reserved` report `nbytes` more than is
+    allocated (what a caching allocator's cache and fragmentation add); nothing else changes."""
+    before = _reserved_slack[0]
+    _reserved_slack[0] = nbytes
+    try:
+        yield
+    finally:
+        _reserved_slack[0] = before
 
 
 @contextlib.contextmanager
