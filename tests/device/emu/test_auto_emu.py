@@ -8,6 +8,7 @@ leanest choice's peak (every layer offloaded) and above the peak without checkpo
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any, Optional
 
@@ -323,18 +324,22 @@ def test_a_model_under_auto_is_freed_with_its_controller(dev: torch.device) -> N
 def test_the_allocators_reserved_bytes_are_kept_under_the_budget(dev: torch.device, reference: dict[str, Any]) -> None:
     """A device whose allocator reserves more than it lends (a cache, fragmentation: `hsemu.reserved_slack`) is
     budgeted by what it reserves: the gap measured in calibration is taken from the room, the reserved peak of every
-    decided step stays under the budget, and fewer layers go without checkpointing than with no gap."""
+    decided step stays under the budget, and fewer layers go without checkpointing than with no gap. (Copies slower
+    than the compute that would hide them: the choice is between none and keep, by bytes alone.)"""
     lean, none = reference["lean_peak"], reference["none_peak"]
     budget = lean + 2 * (none - lean) // 3
     slack = (none - lean) // 4
     decisions, reserved = {}, {}
     for name, extra in (("no gap", 0), ("gap", slack)):
-        with hsemu.copy_delay(0, 0, 0), hsemu.reserved_slack(extra):
+        with hsemu.copy_delay(0, 0, 0), hsemu.copy_rate(4_000_000, 4_000_000, 0), hsemu.reserved_slack(extra):
             grads, _, model = _train(dev, "auto", budget)
             ctl = auto.controller(model)
         assert _same(grads, reference["grads"])
         decisions[name] = ctl.decision.counts()
         reserved[name] = [r.measured_reserved_bytes for r in ctl.history if r.decided]
         assert ctl.allocator_gap == extra
+        del grads, model, ctl  # the next run's steps start with nothing of this one on the device
+        gc.collect()
     assert max(reserved["gap"]) <= budget, (reserved, budget)
-    assert decisions["gap"]["none"] < decisions["no gap"]["none"], decisions
+    assert decisions == {"no gap": {"none": 2, "keep": 2, "sac": 0, "offload": 0},
+                         "gap": {"none": 1, "keep": 3, "sac": 0, "offload": 0}}, decisions
