@@ -176,10 +176,12 @@ def predict(costs: Sequence[LayerCost], choices: Sequence[Choice], lean_peak_byt
 
 
 def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, fixed_s: float,
-           pins: Optional[Mapping[str, Choice]] = None, sac_window: int = SAC_WINDOW) -> Decision:
-    """The least predicted step time whose predicted peak is at most `budget_bytes`; pinned layers keep their
-    choice (a pinned sac where the layer's costs offer none is an error). When nothing fits, every unpinned layer
-    offloads and `fits` is False."""
+           pins: Optional[Mapping[str, Choice]] = None, sac_window: int = SAC_WINDOW,
+           host_room: Optional[int] = None) -> Decision:
+    """The least predicted step time whose predicted peak is at most `budget_bytes` and whose sac layers' projections
+    (`sac_host_bytes`) fit `host_room` (None: no limit; the inputs every layer may offload are the lean baseline's,
+    counted by the caller); pinned layers keep their choice (a pinned sac where the layer's costs offer none is an
+    error). When nothing fits, every unpinned layer offloads and `fits` is False."""
     pins = dict(pins or {})
     unknown = sorted(set(pins) - {c.name for c in costs})
     if unknown:
@@ -195,9 +197,59 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
     options = [[pins[c.name]] if c.name in pins else
                [x for x in Choice if x is not Choice.SAC or c.sac_offered] for c in costs]
     room = budget_bytes - lean_peak_bytes
-    # Two terms are a largest, not a sum over layers: the fill (the largest copy of a layer that offloads or chooses
-    # sac) and the sac window (the largest sac_bytes among those choosing sac). For each pair of values they can
-    # take, the best decision whose layers stay within both (the window's bytes taken from the room first).
+
+    def decision(chosen: Optional[list[Choice]]) -> Decision:
+        fits = chosen is not None
+        chosen = _canonical(costs, chosen, pins) if fits else [pins.get(c.name, Choice.OFFLOAD) for c in costs]
+        peak, step = predict(costs, chosen, lean_peak_bytes, fixed_s, sac_window)
+        return Decision(tuple(chosen), names, budget_bytes, peak, step, fits=fits, pinned=tuple(sorted(pins)),
+                        sac_window=sac_window)
+
+    best = _best(costs, options, room, lean_peak_bytes, fixed_s, sac_window, 0.0)
+    if best is None or host_room is None or sac_host_bytes(costs, best) <= host_room:
+        return decision(best)
+    # The projections held on the host are a budget of their own: a price per host byte on the sac choice (a
+    # Lagrangian), searched by bisection between none and the price past which no layer gains from sac; the fastest
+    # decision found within the host room (at worst the one without any unpinned sac).
+    lo, hi = 0.0, _price_ceiling(costs)
+    feasible: list[list[Choice]] = []
+    for _ in range(PRICE_STEPS):
+        mid = (lo + hi) / 2
+        found = _best(costs, options, room, lean_peak_bytes, fixed_s, sac_window, mid)
+        if found is not None and sac_host_bytes(costs, found) <= host_room:
+            feasible.append(found)
+            hi = mid
+        else:
+            lo = mid
+    if not feasible:
+        without = [[x for x in o if x is not Choice.SAC] or o for o in options]
+        found = _best(costs, without, room, lean_peak_bytes, fixed_s, sac_window, 0.0)
+        return decision(found)
+    return decision(min(feasible, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s, sac_window)[1]))
+
+
+PRICE_STEPS = 24  # bisection steps of the host byte's price (sac under a host room)
+
+
+def sac_host_bytes(costs: Sequence[LayerCost], choices: Sequence[Choice]) -> int:
+    """The host bytes the sac layers' projections take beyond their inputs (what offload would copy anyway)."""
+    return sum(c.sac_bytes for c, x in zip(costs, choices) if x is Choice.SAC)
+
+
+def _price_ceiling(costs: Sequence[LayerCost]) -> float:
+    """A price per host byte at which sac is never faster than offload for any layer (twice the largest gain)."""
+    gains = [(c.extra_s(Choice.OFFLOAD) - c.extra_s(Choice.SAC)) / c.sac_bytes for c in costs if c.sac_offered]
+    return 2 * max([g for g in gains if g > 0], default=1e-12) + 1e-12
+
+
+def _best(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room: int, lean_peak_bytes: int,
+          fixed_s: float, sac_window: int, price: float) -> Optional[list[Choice]]:
+    """The least predicted time (plus `price` per sac host byte) within the device room; None if nothing fits.
+    Two terms are a largest, not a sum over layers: the fill (the largest copy of a layer that offloads or chooses
+    sac) and the sac window (the largest sac_bytes among those choosing sac). For each pair of values they can
+    take, the best decision whose layers stay within both (the window's bytes taken from the room first)."""
+    if room < 0:
+        return None
     candidates = []
     for sac_limit in [None] + _limits([c.sac_bytes for c, o in zip(costs, options) if Choice.SAC in o], SAC_LIMITS):
         rest = room - (sac_window * sac_limit if sac_limit is not None else 0)
@@ -213,19 +265,13 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
                                 or (limit is not None and c.copy(x) <= limit)] or within)
             if not all(allowed):
                 continue  # a pin the window's limit excludes
-            found = _knapsack(costs, allowed, rest)
+            found = _knapsack(costs, allowed, rest, price)
             if found is not None:
                 candidates.append(found)
     if not candidates:
-        lean = tuple(pins.get(c.name, Choice.OFFLOAD) for c in costs)
-        peak, step = predict(costs, lean, lean_peak_bytes, fixed_s, sac_window)
-        return Decision(lean, names, budget_bytes, peak, step, fits=False, pinned=tuple(sorted(pins)),
-                        sac_window=sac_window)
-    chosen = _canonical(costs, min(candidates, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s,
-                                                                      sac_window)[1]), pins)
-    peak, step = predict(costs, chosen, lean_peak_bytes, fixed_s, sac_window)
-    return Decision(tuple(chosen), names, budget_bytes, peak, step, fits=True, pinned=tuple(sorted(pins)),
-                    sac_window=sac_window)
+        return None
+    return min(candidates, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s, sac_window)[1]
+               + price * sac_host_bytes(costs, ch))
 
 
 # Along the layers, among layers that cost the same: leanest first.
@@ -256,7 +302,8 @@ def _limits(values: Sequence[float], most: int) -> list:
     return sorted({distinct[round(k * (len(distinct) - 1) / (most - 1))] for k in range(most)})
 
 
-def _knapsack(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room: int) -> Optional[list[Choice]]:
+def _knapsack(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room: int,
+              price: float = 0.0) -> Optional[list[Choice]]:
     """Least total extra time with held bytes <= room, exact: the Pareto front of (bytes held, time) over the layers
     so far (layers alike collapse to few sums). A front past FRONT_LIMIT states is thinned to the fastest state per
     room / FRONT_LIMIT bytes: every state kept is exact (never over the room), the optimum may then be missed by
@@ -269,7 +316,7 @@ def _knapsack(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], r
                 h2 = held + cost.held(c)
                 if h2 > room:
                     continue
-                t2 = t + cost.extra_s(c)
+                t2 = t + cost.extra_s(c) + (price * cost.sac_bytes if c is Choice.SAC else 0.0)
                 cur = nxt.get(h2)
                 if cur is None or t2 < cur[0] - 1e-15:
                     nxt[h2] = (t2, chosen + (c,))

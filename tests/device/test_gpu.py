@@ -276,7 +276,10 @@ def test_policy_auto_on_gpu_keeps_the_budget_and_the_gradients():
     _figure("policy_auto", budget_mib=budget / MiB, lean_mib=lean_peak / MiB, none_mib=none_peak / MiB,
             peaks_mib=[p / MiB for p in peaks], choices=[str(c) for c in decided.choices],
             predicted_peak_mib=decided.peak_bytes / MiB, predicted_step_ms=decided.step_s * 1e3,
-            measured_step_ms=[round(r.measured_step_s * 1e3, 2) for r in auto.controller(off).history])
+            measured_step_ms=[round(r.measured_step_s * 1e3, 2) for r in auto.controller(off).history],
+            reserved_mib=[round((r.measured_reserved_bytes or 0) / MiB, 1) for r in auto.controller(off).history],
+            allocator_gap_mib=auto.controller(off).allocator_gap / MiB,
+            sac_mib_per_layer=[round(c.sac_bytes / MiB, 1) for c in auto.controller(off).costs])
     assert max(peaks) <= budget, (peaks, budget)
     assert decided is not None and decided.fits and decided.counts()["none"] >= 1
 

@@ -165,3 +165,22 @@ def test_a_model_without_a_torch_optimizer_still_decides_beside_one_with() -> No
                 p.grad = None
     assert auto.controller(a).optimizer_steps == 4 and auto.controller(b).optimizer_steps == 0
     assert auto.controller(b).decisions >= 1
+
+
+def test_the_host_budget_bounds_what_sac_may_offload() -> None:
+    """The host bytes sac's projections may take: max_host_bytes less the inputs every layer may offload; a budget
+    that leaves none keeps every layer off sac, bit for bit plain checkpointing's losses either way."""
+    ref, ref_opt = _model()
+    ref_losses = _steps(ref, ref_opt, range(4), None)
+    rows = {}
+    try:
+        for name, host in (("roomy", 1 << 30), ("inputs only", 4 * SEQ * 64 * 4)):
+            model, opt = _model()
+            losses = _steps(model, opt, range(4), 1 << 30, max_host_bytes=host)
+            ctl = auto.controller(model)
+            assert losses == ref_losses
+            rows[name] = (ctl._host_room(ctl.costs), ctl.decision)
+    finally:
+        hsoffload.set_host_budget("auto")  # process-wide: the next tests get the default back
+    assert rows["roomy"][0] == (1 << 30) - 4 * SEQ * 64 * 4
+    assert rows["inputs only"][0] == 0 and rows["inputs only"][1].counts()["sac"] == 0

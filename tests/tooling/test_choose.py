@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsoffload.choose import Choice, LayerCost, choose, predict
+from hsoffload.choose import Choice, LayerCost, choose, predict, sac_host_bytes
 
 layer = st.builds(
     lambda i, none, keep, f, b, c, sac, p: LayerCost(f"model.layers.{i}", none, keep, f, b, c, sac, p * f),
@@ -101,3 +101,31 @@ def test_sac_skips_the_projections_recompute_where_copies_hide_and_its_window_fi
     # A window of 1 (no prefetch) costs half.
     assert choose(fast, 40, 0, 0.0, sac_window=1).counts()["sac"] == 4
 
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(layer, min_size=1, max_size=5), st.integers(0, 40_000), st.integers(0, 20_000))
+def test_a_host_room_bounds_the_sac_layers_projections(costs: list[LayerCost], room: int, host_room: int) -> None:
+    costs = _named(costs)
+    free = choose(costs, room, 0, 1.0)
+    d = choose(costs, room, 0, 1.0, host_room=host_room)
+    assert d.fits == free.fits
+    if not d.fits:
+        return
+    assert sac_host_bytes(costs, d.choices) <= host_room and d.peak_bytes <= room
+    assert d.step_s >= free.step_s - 1e-9  # a bound never makes it faster
+    if sac_host_bytes(costs, free.choices) <= host_room:
+        assert d.choices == free.choices  # a bound that does not bind changes nothing
+    # Never slower than the best decision without any sac.
+    no_sac = [dataclasses.replace(c, sac_bytes=0) for c in costs]
+    assert d.step_s <= choose(no_sac, room, 0, 1.0).step_s + 1e-9
+
+
+def test_a_host_room_sheds_the_sac_layers_that_gain_least_per_host_byte() -> None:
+    # Two layers gain 0.6 s of recompute for 40 host bytes, two gain 0.2 s for 40: room on the host for two.
+    costs = _sac_layers(0.1)[:2] + [dataclasses.replace(c, name=f"m{i}", projection_s=0.2)
+                                    for i, c in enumerate(_sac_layers(0.1)[:2])]
+    assert choose(costs, 80, 0, 0.0).counts()["sac"] == 4
+    d = choose(costs, 80, 0, 0.0, host_room=80)
+    assert [str(c) for c in d.choices] == ["sac", "sac", "offload", "offload"], d.choices  # the window: no room to keep
+    assert choose(costs, 80, 0, 0.0, host_room=0).counts()["sac"] == 0

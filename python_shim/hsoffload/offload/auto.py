@@ -658,16 +658,28 @@ class AutoController:
         if self.budget_arg is None:
             self._default_budget()
         room = self.budget - self.margin - self.allocator_gap - lean_peak
-        costs, fixed_s, room = self._agree(costs, fixed_s, room)
+        host_room = self._host_room(costs)
+        costs, fixed_s, room, host_room = self._agree(costs, fixed_s, room, host_room)
         self.costs = costs
         self.decided_start_bytes = self.start_bytes
-        self.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins, self.sac_window)
+        self.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins, self.sac_window, host_room)
         self.decisions += 1
         self.reason = why
         self._save()
         logger.info("hsoffload: policy auto, decision %d (%s; %d tokens; margin %.1f MiB)%s:\n%s", self.decisions,
                     why, self.tokens, self.margin / 2**20, " REPORT ONLY, every layer offloaded" if self.report_only
                     else "", self.decision.table(costs))
+
+    def _host_room(self, costs: list[LayerCost]) -> Optional[int]:
+        """The host bytes sac's projections may take per forward: the host budget (max_host_bytes, resolved) less
+        what is held now and the inputs every layer may offload; None where the budget is unlimited."""
+        from .host import budget_stats  # noqa: PLC0415  (the host budget's owner)
+
+        stats = budget_stats()
+        if stats.limit <= 0:
+            return None
+        inputs = sum(c.held_keep for c in costs if c.held_keep < NEVER)
+        return max(0, (stats.limit - stats.in_flight - inputs) // max(1, self.forwards))
 
     def _default_budget(self) -> None:
         """Without device_budget: the device's memory less what the process holds outside the allocator now (after
@@ -795,18 +807,21 @@ class AutoController:
         else:
             self._decide(why)
 
-    def _agree(self, costs: list[LayerCost], fixed_s: float, room: int) -> tuple[list[LayerCost], float, int]:
-        """On several ranks: each layer's largest cost over the ranks, the longest fixed time and the smallest room,
-        so that the deterministic chooser makes one decision everywhere. Raises on every rank if the ranks' models
-        or pins differ (a decision for different layers cannot be one)."""
+    def _agree(self, costs: list[LayerCost], fixed_s: float, room: int,
+               host_room: Optional[int]) -> tuple[list[LayerCost], float, int, Optional[int]]:
+        """On several ranks: each layer's largest cost over the ranks, the longest fixed time and the smallest rooms
+        (the device's, the host's), so that the deterministic chooser makes one decision everywhere. Raises on every
+        rank if the ranks' models or pins differ (a decision for different layers cannot be one)."""
         assert self.ranks is not None
         if self.ranks.size == 1:
-            return costs, fixed_s, room
+            return costs, fixed_s, room, host_room
         fields = ("held_none", "held_keep", "forward_s", "backward_s", "copy_s", "sac_bytes", "projection_s")
         pins = zlib.crc32(repr(sorted((k, v.value) for k, v in self.pins.items())).encode())
         shape = zlib.crc32(repr([c.name for c in costs]).encode())
         flat = [float(getattr(c, f)) for c in costs for f in fields]
-        agreed = self.ranks.max(flat + [fixed_s, -room, shape, -shape, pins, -pins])
+        unlimited = float(NEVER)
+        agreed = self.ranks.max(flat + [fixed_s, -room, shape, -shape, pins, -pins,
+                                        -(unlimited if host_room is None else host_room)])
         tail = agreed[len(flat):]
         if tail[2] != -tail[3] or tail[4] != -tail[5]:
             raise RuntimeError("hsoffload: policy auto: the ranks' models have different decoder layers, or "
@@ -817,7 +832,8 @@ class AutoController:
             v = agreed[k * len(fields):(k + 1) * len(fields)]
             out.append(dataclasses.replace(c, held_none=int(v[0]), held_keep=int(v[1]), forward_s=v[2],
                                            backward_s=v[3], copy_s=v[4], sac_bytes=int(v[5]), projection_s=v[6]))
-        return out, tail[0], int(-tail[1])
+        host = -tail[6]
+        return out, tail[0], int(-tail[1]), None if host >= unlimited else int(host)
 
     def report(self) -> str:
         """The last decision: why it was made, and its table (empty before the first)."""

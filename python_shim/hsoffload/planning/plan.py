@@ -446,13 +446,14 @@ def plan(inp: PlanInput) -> PlanResult:
         advice=why,
         torch_version=torch_version,
         walls=hit,
-        auto_decision=auto_decision(shape, setup, device, local, budget, device_bytes) if inp.policy and
+        auto_decision=auto_decision(shape, setup, device, local, budget, device_bytes,
+                                    host.budget // max(1, local)) if inp.policy and
         PolicyName(inp.policy).chooses_per_layer else None,
     )
 
 
 def auto_decision(shape: pm.ModelShape, s: pm.Setup, device: timing.DeviceProfile, local: int, budget: Budget,
-                  device_bytes: int) -> AutoPlan:
+                  device_bytes: int, host_bytes: Optional[int] = None) -> AutoPlan:
     """policy auto's decision from the models alone: each layer's bytes without checkpointing and its input, its
     forward and backward at the profile's rate, its copy at the host link; the leanest choice's reserved peak (every
     layer offloaded) as the baseline the runtime measures; the device as the budget."""
@@ -471,7 +472,9 @@ def auto_decision(shape: pm.ModelShape, s: pm.Setup, device: timing.DeviceProfil
     lean_phase = pm.peak(shape, lean)
     lean_reserved = budget.reserved(shape, lean, lean_phase.total)
     fixed = timing.step_time(shape, plain, device, [0] * shape.layers, local).total_s
-    d = choose.choose(costs, device_bytes, lean_reserved, fixed, sac_window=s.prefetch_depth + 1)
+    # The host bytes sac's projections may take: this rank's host budget less the inputs every layer may offload.
+    host_room = None if host_bytes is None else max(0, host_bytes - sum(c.held_keep for c in costs))
+    d = choose.choose(costs, device_bytes, lean_reserved, fixed, sac_window=s.prefetch_depth + 1, host_room=host_room)
     return AutoPlan(choices=[str(c) for c in d.choices], counts=d.counts(), budget_bytes=device_bytes,
                     peak_bytes=d.peak_bytes, step_time_s=d.step_s, fits=d.fits, table=d.table(costs))
 
