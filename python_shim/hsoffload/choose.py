@@ -37,10 +37,10 @@ import math
 from enum import Enum
 from typing import Mapping, Optional, Sequence
 
-FILL_LIMITS = 12  # values of the pipeline's fill tried at most (one knapsack each, per SAC limit)
-SAC_LIMITS = 6  # values of the largest `sac_bytes` among the layers choosing sac tried at most
+FILL_LIMITS = 6  # values of the pipeline's fill tried at most (one knapsack each, per SAC limit)
+SAC_LIMITS = 4  # values of the largest `sac_bytes` among the layers choosing sac tried at most
 SAC_WINDOW = 2  # layers of sac entries on the device at once by default: one copy out in flight, one prefetched
-FRONT_LIMIT = 1024  # states of the knapsack's Pareto front kept per layer (thinned past it; never over the room)
+FRONT_LIMIT = 256  # states of the knapsack's Pareto front kept per layer (thinned past it; never over the room)
 
 
 class Choice(str, Enum):
@@ -228,7 +228,7 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
     return decision(min(feasible, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s, sac_window)[1]))
 
 
-PRICE_STEPS = 24  # bisection steps of the host byte's price (sac under a host room)
+PRICE_STEPS = 8  # bisection steps of the host byte's price (sac under a host room)
 
 
 def sac_host_bytes(costs: Sequence[LayerCost], choices: Sequence[Choice]) -> int:

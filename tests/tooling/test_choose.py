@@ -1,5 +1,5 @@
 """policy auto's chooser (hsoffload.choose): the least step time under the budget, checked against every decision
-by brute force; never over the budget; never slower with more room; pins kept; nothing fits said."""
+by brute force (up to 3 layers: their fill and window values, at most 6 and 3, are all tried, so it is exact); never over the budget; never slower with more room; pins kept; nothing fits said."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _choices(c: LayerCost) -> list[Choice]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(layer, min_size=1, max_size=5), st.integers(0, 40_000), st.integers(0, 5_000))
+@given(st.lists(layer, min_size=1, max_size=3), st.integers(0, 40_000), st.integers(0, 5_000))
 def test_the_least_time_under_the_budget(costs: list[LayerCost], room: int, lean: int) -> None:
     costs = _named(costs)
     d = choose(costs, lean + room, lean, fixed_s=1.0)
