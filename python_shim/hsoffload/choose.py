@@ -212,7 +212,9 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
     # Lagrangian), searched by bisection between none and the price past which no layer gains from sac; the fastest
     # decision found within the host room (at worst the one without any unpinned sac).
     lo, hi = 0.0, _price_ceiling(costs)
-    feasible: list[list[Choice]] = []
+    without = [[x for x in o if x is not Choice.SAC] or o for o in options]  # pinned sac stays
+    feasible = [ch for ch in [_best(costs, without, room, lean_peak_bytes, fixed_s, sac_window, 0.0)]
+                if ch is not None and sac_host_bytes(costs, ch) <= host_room]
     for _ in range(PRICE_STEPS):
         mid = (lo + hi) / 2
         found = _best(costs, options, room, lean_peak_bytes, fixed_s, sac_window, mid)
@@ -221,10 +223,8 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
             hi = mid
         else:
             lo = mid
-    if not feasible:
-        without = [[x for x in o if x is not Choice.SAC] or o for o in options]
-        found = _best(costs, without, room, lean_peak_bytes, fixed_s, sac_window, 0.0)
-        return decision(found)
+    if not feasible:  # only pinned sac over the host room: the user's pins, as asked
+        return decision(_best(costs, without, room, lean_peak_bytes, fixed_s, sac_window, 0.0))
     return decision(min(feasible, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s, sac_window)[1]))
 
 
@@ -255,11 +255,14 @@ def _best(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room:
         rest = room - (sac_window * sac_limit if sac_limit is not None else 0)
         if rest < 0:
             continue
-        copies = [c.copy(x) for c, o in zip(costs, options) for x in o if x in (Choice.OFFLOAD, Choice.SAC)]
+        withins = [[x for x in o if x is not Choice.SAC or (sac_limit is not None and c.sac_bytes <= sac_limit)]
+                   for c, o in zip(costs, options)]
+        # The fill's values among the copies this window's limit allows (without sac: the inputs' alone, as before
+        # sac existed, so that offering it never thins the grid of the decisions without it)
+        copies = [c.copy(x) for c, w in zip(costs, withins) for x in w if x in (Choice.OFFLOAD, Choice.SAC)]
         for limit in _limits(copies, FILL_LIMITS) + [None]:
             allowed = []
-            for c, o in zip(costs, options):
-                within = [x for x in o if x is not Choice.SAC or (sac_limit is not None and c.sac_bytes <= sac_limit)]
+            for c, within in zip(costs, withins):
                 # The fill is a time: a pinned copy over the limit stays allowed (its time is predicted whole below).
                 allowed.append([x for x in within if x not in (Choice.OFFLOAD, Choice.SAC)
                                 or (limit is not None and c.copy(x) <= limit)] or within)

@@ -15,6 +15,7 @@ import torch
 import transformers
 
 import hsoffload
+from hsoffload.choose import sac_host_bytes
 from hsoffload.offload import auto
 from hsoffload.offload.auto import DeviceMemory
 from hsoffload.targets import enable_checkpointing
@@ -168,8 +169,8 @@ def test_a_model_without_a_torch_optimizer_still_decides_beside_one_with() -> No
 
 
 def test_the_host_budget_bounds_what_sac_may_offload() -> None:
-    """The host bytes sac's projections may take: max_host_bytes less the inputs every layer may offload; a budget
-    that leaves none keeps every layer off sac, bit for bit plain checkpointing's losses either way."""
+    """The room the decision gets for sac's projections on the host: max_host_bytes less the inputs every layer may
+    offload (none left: no sac), and the decision within it; bit for bit plain checkpointing's losses either way."""
     ref, ref_opt = _model()
     ref_losses = _steps(ref, ref_opt, range(4), None)
     rows = {}
@@ -180,6 +181,8 @@ def test_the_host_budget_bounds_what_sac_may_offload() -> None:
             ctl = auto.controller(model)
             assert losses == ref_losses
             rows[name] = (ctl._host_room(ctl.costs), ctl.decision)
+            # Whatever the timings chose: the sac layers' projections within the room the decision was made for.
+            assert sac_host_bytes(ctl.costs, ctl.decision.choices) <= rows[name][0]
     finally:
         hsoffload.set_host_budget("auto")  # process-wide: the next tests get the default back
     assert rows["roomy"][0] == (1 << 30) - 4 * SEQ * 64 * 4

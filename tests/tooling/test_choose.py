@@ -104,7 +104,7 @@ def test_sac_skips_the_projections_recompute_where_copies_hide_and_its_window_fi
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(layer, min_size=1, max_size=5), st.integers(0, 40_000), st.integers(0, 20_000))
+@given(st.lists(layer, min_size=1, max_size=3), st.integers(0, 40_000), st.integers(0, 20_000))
 def test_a_host_room_bounds_the_sac_layers_projections(costs: list[LayerCost], room: int, host_room: int) -> None:
     costs = _named(costs)
     free = choose(costs, room, 0, 1.0)

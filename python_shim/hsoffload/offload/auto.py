@@ -123,8 +123,10 @@ class _Projections(TorchDispatchMode):
         self.read = len(self.made)
 
     def measured(self) -> tuple[int, float]:
-        """The bytes and time of the projections a recompute reads."""
-        return sum(b for b, _ in self.made[:self.read]), sum(t for _, t in self.made[:self.read])
+        """The bytes of every projection's output (all are copied in a sac layer's first step, and in every step on
+        torch releases that ask the policy again in the recompute, 2.11: counted whole, for the host, the window and
+        the copies) and the time of those a recompute reads (what it skips)."""
+        return sum(b for b, _ in self.made), sum(t for _, t in self.made[:self.read])
 
 
 
@@ -434,7 +436,7 @@ class AutoController:
 
     def offloads_none(self) -> bool:
         """The layers run now offload nothing (a decision of only none and keep)."""
-        return Choice.OFFLOAD not in self.choices()
+        return not {Choice.OFFLOAD, Choice.SAC} & set(self.choices())
 
     def _another_forward(self, scope: Any) -> None:
         """A forward whose first layer runs before the previous forward's backward reached it (two losses, one
@@ -490,7 +492,7 @@ class AutoController:
         # 0: nothing to decide; 1: a decision is due (at the next optimizer step); 2: the running one does not fit.
         want = 0 if reason is None else 1
         if reason is not None and self.decision is not None and self.decision.fits and (
-                self.predicted_peak + start - self.decided_start_bytes > self.budget):
+                self.predicted_peak + self.allocator_gap + start - self.decided_start_bytes > self.budget):
             want = 2
         ready = True
         if self.ranks.size > 1:  # one collective per micro-batch on every rank: tokens, wishes, the step boundary
@@ -604,16 +606,17 @@ class AutoController:
             logger.info("hsoffload: policy auto: step measured %.1f MiB peak (predicted %.1f, budget %.1f), %.1f ms "
                         "(predicted %.1f)", peak / 2**20, rec.predicted_peak_bytes / 2**20, self.budget / 2**20,
                         measured_s * 1e3, decision.step_s * 1e3)
+        over = 0
         if peak > rec.predicted_peak_bytes:
             over = peak - rec.predicted_peak_bytes
             self.margin += over
-            if step["predicted"] + over > self.budget:
+            if step["predicted"] + over + self.allocator_gap > self.budget:
                 self.replans += 1
                 return f"the measured peak {peak / 2**20:.1f} MiB passed the prediction by {over / 2**20:.1f} MiB"
-        if reserved is not None and reserved > self.budget and decision.fits:
-            # What the allocator reserved passed the budget (fragmentation beyond the gap measured): the gap grows
-            # by the difference and the decision is made again
-            over = reserved - self.budget
+        if reserved is not None and reserved - self.budget > over and decision.fits:
+            # What the allocator reserved passed the budget by more than the lent bytes' overshoot (now in the
+            # margin): fragmentation beyond the gap measured; the gap grows by the rest and the decision is made again
+            over = reserved - self.budget - over
             self.allocator_gap += over
             self.replans += 1
             return (f"the allocator reserved {reserved / 2**20:.1f} MiB, {over / 2**20:.1f} MiB over the budget "
@@ -649,7 +652,10 @@ class AutoController:
                 held_keep=math.ceil(self.held_keep.get(k, NEVER) * ff * self.forwards) if k in self.held_keep else NEVER,
                 forward_s=fwd * ff, backward_s=(probe.backward_s * fp) if probe else 2 * fwd * ff,
                 copy_s=(probe.copy_s * fp) if probe else 0.0,
-                sac_bytes=math.ceil(probe.sac_bytes * fp) if probe else 0,
+                # per step like held_keep (each forward in flight copies its own); 0 where the layer's checkpoint can
+                # no longer take the selective context (restored measurements, a function changed since the probe)
+                sac_bytes=math.ceil(probe.sac_bytes * fp * self.forwards) if probe and self._selective_offered(
+                    layers[k][1]) else 0,
                 projection_s=(probe.projection_s * fp) if probe else 0.0))
         lean = [Choice.OFFLOAD] * len(layers)
         _, lean_s = predict(costs, lean, 0, 0.0, self.sac_window)
@@ -670,6 +676,10 @@ class AutoController:
                     why, self.tokens, self.margin / 2**20, " REPORT ONLY, every layer offloaded" if self.report_only
                     else "", self.decision.table(costs))
 
+    def _selective_offered(self, layer: torch.nn.Module) -> bool:
+        """Whether sac can be applied to `layer` now: its checkpoint is ready, or the selective one is installed."""
+        return _selective_ready(layer) is not None or id(layer) in self._checkpoints
+
     def _host_room(self, costs: list[LayerCost]) -> Optional[int]:
         """The host bytes sac's projections may take per forward: the host budget (max_host_bytes, resolved) less
         what is held now and the inputs every layer may offload; None where the budget is unlimited."""
@@ -678,8 +688,8 @@ class AutoController:
         stats = budget_stats()
         if stats.limit <= 0:
             return None
-        inputs = sum(c.held_keep for c in costs if c.held_keep < NEVER)
-        return max(0, (stats.limit - stats.in_flight - inputs) // max(1, self.forwards))
+        inputs = sum(c.held_keep for c in costs if c.held_keep < NEVER)  # every forward's (held_keep counts them)
+        return max(0, stats.limit - stats.in_flight - inputs)
 
     def _default_budget(self) -> None:
         """Without device_budget: the device's memory less what the process holds outside the allocator now (after
@@ -820,18 +830,24 @@ class AutoController:
         shape = zlib.crc32(repr([c.name for c in costs]).encode())
         flat = [float(getattr(c, f)) for c in costs for f in fields]
         unlimited = float(NEVER)
+        # sac is offered for a layer only if every rank can apply it (-1 where offered: the max is -1 iff all are)
+        offered = [-1.0 if c.sac_offered else 0.0 for c in costs]
         agreed = self.ranks.max(flat + [fixed_s, -room, shape, -shape, pins, -pins,
-                                        -(unlimited if host_room is None else host_room)])
+                                        -(unlimited if host_room is None else host_room), self.sac_window] + offered)
         tail = agreed[len(flat):]
         if tail[2] != -tail[3] or tail[4] != -tail[5]:
             raise RuntimeError("hsoffload: policy auto: the ranks' models have different decoder layers, or "
                                "auto.pin() was given different pins on different ranks; every rank must run the same "
                                "model with the same pins (one decision is applied by all)")
         out = []
+        everywhere = agreed[len(flat) + 8:]
         for k, c in enumerate(costs):
             v = agreed[k * len(fields):(k + 1) * len(fields)]
+            on = everywhere[k] < 0
             out.append(dataclasses.replace(c, held_none=int(v[0]), held_keep=int(v[1]), forward_s=v[2],
-                                           backward_s=v[3], copy_s=v[4], sac_bytes=int(v[5]), projection_s=v[6]))
+                                           backward_s=v[3], copy_s=v[4], sac_bytes=int(v[5]) if on else 0,
+                                           projection_s=v[6] if on else 0.0))
+        self.sac_window = int(tail[7])  # the deepest prefetch of the ranks: one window for all
         host = -tail[6]
         return out, tail[0], int(-tail[1]), None if host >= unlimited else int(host)
 
@@ -1096,7 +1112,7 @@ def controller_for(model: torch.nn.Module, layer_cls: type, config: Any) -> Auto
 
 
 def pin(model: torch.nn.Module, pins: dict[str, str]) -> None:
-    """Fix some layers' choices (layer name -> "none", "keep" or "offload"); policy "auto" decides the others. Takes
+    """Fix some layers' choices (layer name -> "none", "keep", "sac" or "offload"); policy "auto" decides the others. Takes
     effect at the model's next decision (call before its first step, or with its scope's next budget)."""
     ctl = _controllers.get(model)
     if ctl is None:

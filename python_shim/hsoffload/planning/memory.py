@@ -511,16 +511,18 @@ def sac_elements_per_token(shape: ModelShape) -> int:
     return q + 2 * kv + shape.hidden + mlp + shape.hidden
 
 
-def sac_read_elements_per_token(shape: ModelShape, moe: bool) -> int:
-    """Elements per token of one layer's projection outputs that its recompute reads (policy auto's `sac` choice):
-    every projection's but a dense MLP's down projection, made after the layer's last saved tensor (torch's early
-    stop ends the recompute before it); an MoE layer's experts' outputs are weighted by the router (saved), and its
-    router's logits are read."""
+def sac_copied_elements_per_token(shape: ModelShape, moe: bool) -> int:
+    """Elements per token of one layer's projection outputs that policy auto's `sac` choice copies to the host: every
+    projection's (a dense MLP's down projection's too: its output is never read by the recompute, but it is copied in
+    a sac layer's first step, and every step on torch releases that ask the policy again in the recompute); an MoE
+    layer's router logits, its experts' (gate, up, down per expert a token goes to) and its shared expert's (gate, up,
+    down, and its one-wide gate)."""
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     if not moe:
-        return q + 2 * kv + shape.hidden + 2 * shape.intermediate
+        return q + 2 * kv + shape.hidden + 2 * shape.intermediate + shape.hidden
     experts = shape.experts_per_token * (2 * shape.expert_intermediate + shape.hidden) + shape.experts
-    shared = 3 * shape.shared_expert_intermediate if shape.shared_expert_intermediate else 0
+    si = shape.shared_expert_intermediate
+    shared = 2 * si + shape.hidden + 1 if si else 0
     return q + 2 * kv + shape.hidden + experts + shared
 
 

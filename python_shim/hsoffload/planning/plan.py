@@ -467,7 +467,7 @@ def auto_decision(shape: pm.ModelShape, s: pm.Setup, device: timing.DeviceProfil
         held_keep = pm.held_per_layer_bytes(shape, dataclasses.replace(lean, offload=None), moe)
         costs.append(choose.LayerCost(name=f"model.layers.{i}", held_none=pm.held_per_layer_bytes(shape, plain, moe),
                                       held_keep=held_keep, forward_s=fwd, backward_s=bwd, copy_s=held_keep / link,
-                                      sac_bytes=lean.tokens * pm.sac_read_elements_per_token(shape, moe)
+                                      sac_bytes=lean.tokens * pm.sac_copied_elements_per_token(shape, moe)
                                       * lean.dtype_bytes, projection_s=projections[i]))
     lean_phase = pm.peak(shape, lean)
     lean_reserved = budget.reserved(shape, lean, lean_phase.total)

@@ -192,7 +192,7 @@ class PlanResult:
 class AutoPlan:
     """`--policy auto`: the decision the runtime would make from the models' costs (hsoffload.choose)."""
 
-    choices: list[str]  # per decoder layer: none, keep or offload
+    choices: list[str]  # per decoder layer: none, keep, sac or offload
     counts: dict[str, int]
     budget_bytes: int  # the device
     peak_bytes: int  # predicted, what the process reserves

@@ -181,7 +181,8 @@ def layer_times(shape: ModelShape, s: Setup, p: DeviceProfile) -> list[tuple[flo
 
 def projection_times(shape: ModelShape, s: Setup, p: DeviceProfile) -> list[float]:
     """Each decoder layer's forward of the projections its recompute reads (seconds on profile `p`): what policy
-    auto's `sac` choice saves; a dense MLP's down projection is not read (memory.sac_read_elements_per_token)."""
+    auto's `sac` choice saves; a dense MLP's down projection is not read (torch's early stop ends the recompute
+    before it)."""
     rate = p.tflops * 1e12
     out = []
     for i in range(shape.layers):

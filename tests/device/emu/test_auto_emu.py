@@ -167,9 +167,11 @@ def test_sac_moves_the_projections_and_the_recompute_reads_them_bitwise(dev: tor
     assert ctl.choices() == [Choice.SAC] * 4
     assert moved[:2] == [(4, 4)] * 2, moved  # calibration: the inputs
     assert moved[2] == (4 + 4 * 7, 4 + 4 * 6), moved  # first sac step: the down projections' outputs unread
-    assert moved[3:] == [(4 + 4 * 6, 4 + 4 * 6)] * (STEPS - 3), moved
+    # then not copied, except on torch releases that ask the policy again in the recompute (2.11)
+    unread = 0 if hsoffload.offload.sac.recomputes_unread_entries() else 4
+    assert moved[3:] == [(4 + 4 * 6 + unread, 4 + 4 * 6)] * (STEPS - 3), moved
     c = ctl.costs[0]
-    assert c.sac_bytes == SEQ * (4 * 64 + 2 * 256) * 4, c  # q, k, v, o and gate, up outputs in float32
+    assert c.sac_bytes == SEQ * (4 * 64 + 2 * 256 + 64) * 4, c  # q, k, v, o, gate, up, down outputs in float32
 
 
 def test_slow_copies_keep_or_recompute_instead_of_offloading(dev: torch.device) -> None:
