@@ -213,8 +213,8 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
     # decision found within the host room (at worst the one without any unpinned sac).
     lo, hi = 0.0, _price_ceiling(costs)
     without = [[x for x in o if x is not Choice.SAC] or o for o in options]  # pinned sac stays
-    feasible = [ch for ch in [_best(costs, without, room, lean_peak_bytes, fixed_s, sac_window, 0.0)]
-                if ch is not None and sac_host_bytes(costs, ch) <= host_room]
+    no_sac = _best(costs, without, room, lean_peak_bytes, fixed_s, sac_window, 0.0)
+    feasible = [no_sac] if no_sac is not None and sac_host_bytes(costs, no_sac) <= host_room else []
     for _ in range(PRICE_STEPS):
         mid = (lo + hi) / 2
         found = _best(costs, options, room, lean_peak_bytes, fixed_s, sac_window, mid)
@@ -224,7 +224,7 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
         else:
             lo = mid
     if not feasible:  # only pinned sac over the host room: the user's pins, as asked
-        return decision(_best(costs, without, room, lean_peak_bytes, fixed_s, sac_window, 0.0))
+        return decision(no_sac)
     return decision(min(feasible, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s, sac_window)[1]))
 
 
