@@ -138,6 +138,18 @@ OffloadScope::OffloadScope(OffloadConfig config, std::shared_ptr<HostPool> pool,
       mutex_(std::make_shared<std::mutex>()),
       streams_(config_.use_streams) {}
 
+void OffloadScope::set_prefetch_depth(int64_t depth) {
+  TORCH_CHECK_VALUE(depth >= 0, "hsoffload: set_prefetch_depth: the depth must be >= 0 (decoder layers restored "
+                    "ahead of backward), got ", depth);
+  std::lock_guard<std::mutex> lock(*mutex_);
+  prefetch_depth_ = depth;
+}
+
+int64_t OffloadScope::prefetch_depth() const {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  return prefetch_depth_;
+}
+
 OffloadScope::~OffloadScope() {
   side_uses_.release_all(capturing_device);  // nothing else holds the scope now: no lock; a host wait at most for a
                                             // source still being copied
@@ -731,7 +743,7 @@ void OffloadScope::restore_now_locked(OffloadRecord& record) {
     side_uses_.reap();
     dropped = drop_prefetched_locked();
     if (dropped == 0 && side_uses_.size() == held) {
-      add_restore_oom_context(e, record.bytes(), 0, config_.prefetch_depth);
+      add_restore_oom_context(e, record.bytes(), 0, prefetch_depth_);
       throw;
     }
     prefetch_paused_ = true;
@@ -739,7 +751,7 @@ void OffloadScope::restore_now_locked(OffloadRecord& record) {
   try {
     copy_to_device_locked(record);
   } catch (c10::OutOfMemoryError& e) {
-    add_restore_oom_context(e, record.bytes(), dropped, config_.prefetch_depth);
+    add_restore_oom_context(e, record.bytes(), dropped, prefetch_depth_);
     throw;
   }
 }
@@ -765,12 +777,12 @@ int64_t OffloadScope::drop_prefetched_locked() {
 }
 
 void OffloadScope::prefetch_locked(const OffloadRecord& record) {
-  if ((config_.prefetch_depth == 0 && config_.spill_prefetch_depth == 0) || prefetch_paused_) {
+  if ((prefetch_depth_ == 0 && config_.spill_prefetch_depth == 0) || prefetch_paused_) {
     return;
   }
   RECORD_USER_SCOPE("hsoffload::prefetch");
   // Without a spill store there are no spilled records to prefetch.
-  const PrefetchDepths depths{config_.prefetch_depth, spill_ ? config_.spill_prefetch_depth : 0};
+  const PrefetchDepths depths{prefetch_depth_, spill_ ? config_.spill_prefetch_depth : 0};
   for (const auto& next : records_to_prefetch(records_, record, depths)) {
     try {
       copy_to_device_locked(*next);  // allocates first: an allocation that fails leaves `next` as it was

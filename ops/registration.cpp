@@ -42,6 +42,11 @@ TORCH_LIBRARY(hsoffload, m) {
       // What the scope's first failed host allocation raised ("" if none): quoted by the Python warning.
       .def("first_host_alloc_error",
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->first_host_alloc_error(); })
+      // Host-copy layers restored ahead of backward from now on (policy auto's choice); the config's until set.
+      .def("set_prefetch_depth", [](const c10::intrusive_ptr<OffloadScopeHolder>& self,
+                                    int64_t depth) { self->scope->set_prefetch_depth(depth); })
+      .def("prefetch_depth",
+           [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->prefetch_depth(); })
       .def("tracked_state",
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->tracked_state(); })
       // Every scope's counters summed over the process (HSOFFLOAD_OFFLOAD_STATS).

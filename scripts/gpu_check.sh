@@ -14,7 +14,7 @@
 # instead of the GPU suite), so it can be smoke-tested: `make test-twin` runs it offline in CI with
 # the GPU machine's versions and requires every step to end ok.
 #
-# Output ($OUT, flat): summary.txt build.log pytest_gpu.log pytest_faults.log sanitizer.log [pytest_cp.log] demo.log demo.png step_time.log step_time.json bench.log bench.json
+# Output ($OUT, flat): summary.txt build.log pytest_gpu.log pytest_faults.log sanitizer.log [pytest_cp.log] demo.log demo.png step_time.log step_time.json policy_auto.log policy_auto.json bench.log bench.json
 # bench.png trace.json trace.json.png (one profiled step: copies against compute per layer)
 set -u
 START=$(date +%s) # before any probe: the budget is the script's whole wall time
@@ -144,6 +144,13 @@ grep -E "bit-identical|peak|freed|offloaded" "$OUT/demo.log" | head -n 12 | sed 
 # to copies near compute, real copies and kernels; predicted vs measured per point (without CUDA: says so, exits 0).
 run_step step_time 75 "$OUT/step_time.log" "$PY" -m hsoffload.tools.bench.step_time --json "$OUT/step_time.json"
 grep -E "pred/meas|^intermediate|worst|MISS|no CUDA" "$OUT/step_time.log" | head -n 8 | sed 's/^/    /' >>"$SUMMARY"
+
+# 3c. policy auto against every fixed configuration at 4 budgets, side by side on the GPU's own link (issue 39; the
+# emulated device's regimes are tests/bench/bench_auto_emu.py): auto's peak under each budget, its step against the
+# fastest fixed configuration that fits, paired round by round.
+run_step policy_auto 80 "$OUT/policy_auto.log" "$PY" -m hsoffload.tools.bench.policy_auto --time-limit 50 \
+  --json "$OUT/policy_auto.json"
+grep -E "MiB|MISS|no CUDA" "$OUT/policy_auto.log" | head -n 8 | sed 's/^/    /' >>"$SUMMARY"
 
 # 4. Benchmarks: the GPU suite with what is left of the budget, or the CPU suite without CUDA.
 if [[ "$HAS_CUDA" == 1 ]]; then

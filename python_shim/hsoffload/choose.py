@@ -73,6 +73,8 @@ class LayerCost:
     copy_s: float  # its input to the host, or back (one direction)
     sac_bytes: int = 0  # the outputs of its projections its recompute reads (0: the sac choice is not offered)
     projection_s: float = 0.0  # those projections' forward: what the sac choice's recompute skips
+    sac_extra_s: float = 0.0  # what sac steps measured beyond this model, per layer (learned: the selective
+    # checkpoint's dispatch on every op, many small copies)
 
     @property
     def sac_offered(self) -> bool:
@@ -99,7 +101,8 @@ class LayerCost:
             return self.forward_s
         recompute = self.forward_s - (min(self.projection_s, self.forward_s) if c is Choice.SAC else 0.0)
         copy = self.copy(c)
-        return recompute + max(0.0, copy - self.forward_s) + max(0.0, copy - recompute - self.backward_s)
+        learned = self.sac_extra_s if c is Choice.SAC else 0.0
+        return recompute + max(0.0, copy - self.forward_s) + max(0.0, copy - recompute - self.backward_s) + learned
 
     def scaled(self, factor: float) -> "LayerCost":
         """The costs at `factor` times the tokens (bytes and times linear in them: a safe bound is the caller's)."""
@@ -107,7 +110,7 @@ class LayerCost:
                                    held_keep=math.ceil(self.held_keep * factor), forward_s=self.forward_s * factor,
                                    backward_s=self.backward_s * factor, copy_s=self.copy_s * factor,
                                    sac_bytes=math.ceil(self.sac_bytes * factor),
-                                   projection_s=self.projection_s * factor)
+                                   projection_s=self.projection_s * factor, sac_extra_s=self.sac_extra_s * factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +125,7 @@ class Decision:
     fits: bool  # False: not even the leanest choice (with the pins) fits; the leanest is returned
     pinned: tuple[str, ...] = ()
     sac_window: int = SAC_WINDOW
+    prefetch_depth: Optional[int] = None  # layers restored ahead in backward, where chosen (None: the caller's)
 
     def counts(self) -> dict[str, int]:
         return {c.value: sum(1 for x in self.choices if x is c) for c in Choice}
@@ -131,7 +135,8 @@ class Decision:
         lines = [f"policy auto: {', '.join(f'{n} {c}' for c, n in self.counts().items() if n)}; predicted peak "
                  f"{self.peak_bytes / 2**20:,.1f} MiB of a {self.budget_bytes / 2**20:,.1f} MiB budget"
                  f"{'' if self.fits else ' (DOES NOT FIT: the leanest choice is applied)'}, step "
-                 f"{self.step_s * 1e3:,.1f} ms"]
+                 f"{self.step_s * 1e3:,.1f} ms"
+                 + (f", prefetch depth {self.prefetch_depth}" if self.prefetch_depth is not None else "")]
         i = 0
         while i < len(self.choices):
             j = i
@@ -167,21 +172,81 @@ def window_bytes(costs: Sequence[LayerCost], choices: Sequence[Choice], sac_wind
 
 
 def predict(costs: Sequence[LayerCost], choices: Sequence[Choice], lean_peak_bytes: int,
-            fixed_s: float, sac_window: int = SAC_WINDOW) -> tuple[int, float]:
-    """The device peak and step time of `choices`."""
-    peak = (lean_peak_bytes + sum(c.held(x) for c, x in zip(costs, choices))
-            + window_bytes(costs, choices, sac_window))
-    step = fixed_s + sum(c.extra_s(x) for c, x in zip(costs, choices)) + fill_s(costs, choices)
-    return peak, step
+            fixed_s: float, sac_window: int = SAC_WINDOW, depth: Optional[int] = None) -> tuple[int, float]:
+    """The device peak and step time of `choices`. With `depth` (layers restored ahead in backward) the time's
+    copies are played through one copy engine (`pipeline_s`) and the peak holds the restores ahead beyond the lean
+    peak's (`sac_window` - 1 of them: the lean peak was measured at that depth); without it, each layer's copy is
+    set against its own compute (`LayerCost.extra_s`) and the fill is one copy."""
+    if depth is None:
+        peak = (lean_peak_bytes + sum(c.held(x) for c, x in zip(costs, choices))
+                + window_bytes(costs, choices, sac_window))
+        return peak, fixed_s + sum(c.extra_s(x) for c, x in zip(costs, choices)) + fill_s(costs, choices)
+    peak = (lean_peak_bytes + sum(c.held(x) for c, x in zip(costs, choices)) + window_bytes(costs, choices, depth + 1)
+            + max(0, depth - (sac_window - 1)) * _largest_restore(costs, choices))
+    return peak, fixed_s + pipeline_s(costs, choices, depth)
+
+
+def _largest_restore(costs: Sequence[LayerCost], choices: Sequence[Choice]) -> int:
+    """The largest input restored in backward (the layers that offload or choose sac)."""
+    return max((c.held_keep for c, x in zip(costs, choices) if x in (Choice.OFFLOAD, Choice.SAC)), default=0)
+
+
+def _recompute_s(cost: LayerCost, c: Choice) -> float:
+    if c is Choice.NONE:
+        return 0.0
+    return cost.forward_s - (min(cost.projection_s, cost.forward_s) if c is Choice.SAC else 0.0)
+
+
+def pipeline_s(costs: Sequence[LayerCost], choices: Sequence[Choice], depth: int) -> float:
+    """The time `choices` add to the step over no checkpointing, with `depth` layers restored ahead: every
+    checkpointed layer's recompute, what of a copy out its layer's forward does not hide, and backward's waits for
+    its restores. Backward is played in its order through one copy engine as the engine schedules it (prefetch.h):
+    when a layer's restore is reached (its unpack), the restores of the next `depth` layers that copy are started,
+    each after the one before it; a layer's backward starts when the one after it is done and its restore has
+    arrived; the first restore is waited for whole (the pipeline's fill)."""
+    extra = 0.0
+    for cost, c in zip(costs, choices):
+        extra += _recompute_s(cost, c) + max(0.0, cost.copy(c) - cost.forward_s)
+        extra += cost.sac_extra_s if c is Choice.SAC else 0.0
+    order = [i for i in reversed(range(len(costs)))]
+    copied = [i for i in order if choices[i] in (Choice.OFFLOAD, Choice.SAC)]
+    at = {i: k for k, i in enumerate(copied)}
+    arrives: dict[int, float] = {}
+    engine_free = 0.0
+    started = 0
+
+    def start_until(k: int, now: float) -> None:
+        nonlocal engine_free, started
+        while started <= min(k, len(copied) - 1):
+            j = copied[started]
+            engine_free = max(engine_free, now) + costs[j].copy(choices[j])
+            arrives[j] = engine_free
+            started += 1
+
+    t = 0.0
+    for i in order:
+        if i in at:
+            start_until(at[i], t)  # on demand, unless started ahead
+            wait = max(0.0, arrives[i] - t)
+            extra += wait
+            t += wait
+            start_until(at[i] + depth, t)  # the layers `depth` ahead, at this unpack
+        t += _recompute_s(costs[i], choices[i]) + costs[i].backward_s
+    return extra
 
 
 def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, fixed_s: float,
            pins: Optional[Mapping[str, Choice]] = None, sac_window: int = SAC_WINDOW,
-           host_room: Optional[int] = None) -> Decision:
+           host_room: Optional[int] = None, prefetch_depths: Sequence[int] = ()) -> Decision:
     """The least predicted step time whose predicted peak is at most `budget_bytes` and whose sac layers' projections
     (`sac_host_bytes`) fit `host_room` (None: no limit; the inputs every layer may offload are the lean baseline's,
     counted by the caller); pinned layers keep their choice (a pinned sac where the layer's costs offer none is an
-    error). When nothing fits, every unpinned layer offloads and `fits` is False."""
+    error). When nothing fits, every unpinned layer offloads and `fits` is False.
+
+    `prefetch_depths`: the prefetch depths to choose among (the lean peak was measured at `sac_window` - 1). Each
+    depth's best decision (the room less the extra restores ahead it holds, its sac window depth + 1) is timed with
+    its copies played through one copy engine (`predict`'s `depth`); the fastest is returned, the shallower one when
+    a deeper is not faster by DEPTH_GAIN. Empty: the depth stays the caller's and copies are timed per layer."""
     pins = dict(pins or {})
     unknown = sorted(set(pins) - {c.name for c in costs})
     if unknown:
@@ -197,17 +262,47 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
     options = [[pins[c.name]] if c.name in pins else
                [x for x in Choice if x is not Choice.SAC or c.sac_offered] for c in costs]
     room = budget_bytes - lean_peak_bytes
+    lean_depth = sac_window - 1
+    restorable = max((c.held_keep for c, o in zip(costs, options) if Choice.OFFLOAD in o or Choice.SAC in o), default=0)
+    found: list[tuple[float, int, list[Choice]]] = []
+    for depth in sorted({d for d in prefetch_depths if d >= 0}) or [None]:
+        window = sac_window if depth is None else depth + 1
+        ahead = 0 if depth is None else max(0, depth - lean_depth) * restorable
+        chosen = _within(costs, options, room - ahead, lean_peak_bytes, fixed_s, window, host_room)
+        if chosen is not None:
+            chosen = _canonical(costs, chosen, pins)
+            step = predict(costs, chosen, lean_peak_bytes, fixed_s, sac_window, depth)[1]
+            if not found or step < found[0][0] * (1 - DEPTH_GAIN):
+                found.insert(0, (step, -1 if depth is None else depth, chosen))
+    if found:
+        _, depth, chosen = found[0]
+        fits = True
+    else:
+        depth = lean_depth if prefetch_depths else -1
+        chosen, fits = [pins.get(c.name, Choice.OFFLOAD) for c in costs], False
+    d = None if depth < 0 else depth
+    peak, step = predict(costs, chosen, lean_peak_bytes, fixed_s, sac_window, d)
+    return Decision(tuple(chosen), names, budget_bytes, peak, step, fits=fits, pinned=tuple(sorted(pins)),
+                    sac_window=sac_window if d is None else d + 1, prefetch_depth=d)
 
-    def decision(chosen: Optional[list[Choice]]) -> Decision:
-        fits = chosen is not None
-        chosen = _canonical(costs, chosen, pins) if fits else [pins.get(c.name, Choice.OFFLOAD) for c in costs]
-        peak, step = predict(costs, chosen, lean_peak_bytes, fixed_s, sac_window)
-        return Decision(tuple(chosen), names, budget_bytes, peak, step, fits=fits, pinned=tuple(sorted(pins)),
-                        sac_window=sac_window)
 
+DEPTH_GAIN = 0.001  # a deeper prefetch is chosen only if its predicted step is at least this much shorter
+DEEPEST_PREFETCH = 3  # the deepest prefetch chosen (from the configured depth, the one the lean peak was measured at)
+
+
+def prefetch_depths(configured: int) -> range:
+    """The prefetch depths policy auto chooses among: from the configured one (its calibration's) to
+    DEEPEST_PREFETCH."""
+    return range(configured, max(configured, DEEPEST_PREFETCH) + 1)
+
+
+def _within(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room: int, lean_peak_bytes: int,
+            fixed_s: float, sac_window: int, host_room: Optional[int]) -> Optional[list[Choice]]:
+    """The least predicted time within the device room and the host room; None if nothing fits (or, where only
+    pinned sac passes the host room, the decision without unpinned sac: the user's pins, as asked)."""
     best = _best(costs, options, room, lean_peak_bytes, fixed_s, sac_window, 0.0)
     if best is None or host_room is None or sac_host_bytes(costs, best) <= host_room:
-        return decision(best)
+        return best
     # The projections held on the host are a budget of their own: a price per host byte on the sac choice (a
     # Lagrangian), searched by bisection between none and the price past which no layer gains from sac; the fastest
     # decision found within the host room (at worst the one without any unpinned sac).
@@ -224,8 +319,8 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
         else:
             lo = mid
     if not feasible:  # only pinned sac over the host room: the user's pins, as asked
-        return decision(no_sac)
-    return decision(min(feasible, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s, sac_window)[1]))
+        return no_sac
+    return min(feasible, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s, sac_window)[1])
 
 
 PRICE_STEPS = 8  # bisection steps of the host byte's price (sac under a host room)

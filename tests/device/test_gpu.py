@@ -279,7 +279,10 @@ def test_policy_auto_on_gpu_keeps_the_budget_and_the_gradients():
             measured_step_ms=[round(r.measured_step_s * 1e3, 2) for r in auto.controller(off).history],
             reserved_mib=[round((r.measured_reserved_bytes or 0) / MiB, 1) for r in auto.controller(off).history],
             allocator_gap_mib=auto.controller(off).allocator_gap / MiB,
-            sac_mib_per_layer=[round(c.sac_bytes / MiB, 1) for c in auto.controller(off).costs])
+            sac_mib_per_layer=[round(c.sac_bytes / MiB, 1) for c in auto.controller(off).costs],
+            prefetch_depth=decided.prefetch_depth, decisions=auto.controller(off).decisions,
+            reason=auto.controller(off).reason,
+            sac_learned_ms=[round(c.sac_extra_s * 1e3, 2) for c in auto.controller(off).costs])
     assert max(peaks) <= budget, (peaks, budget)
     assert decided is not None and decided.fits and decided.counts()["none"] >= 1
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsoffload.choose import Choice, LayerCost, choose, predict, sac_host_bytes
+from hsoffload.choose import Choice, LayerCost, choose, pipeline_s, predict, sac_host_bytes
 
 layer = st.builds(
     lambda i, none, keep, f, b, c, sac, p: LayerCost(f"model.layers.{i}", none, keep, f, b, c, sac, p * f),
@@ -129,3 +129,64 @@ def test_a_host_room_sheds_the_sac_layers_that_gain_least_per_host_byte() -> Non
     d = choose(costs, 80, 0, 0.0, host_room=80)
     assert [str(c) for c in d.choices] == ["sac", "sac", "offload", "offload"], d.choices  # the window: no room to keep
     assert choose(costs, 80, 0, 0.0, host_room=0).counts()["sac"] == 0
+
+
+def _alternating(copy_s: float) -> list[LayerCost]:
+    """Six layers, MoE-like (forward 3, backward 6) then dense-like (1, 2), every input a copy of `copy_s`."""
+    return [LayerCost(f"l{i}", 1000, 100, 3.0 if i % 2 == 0 else 1.0, 6.0 if i % 2 == 0 else 2.0, copy_s)
+            for i in range(6)]
+
+
+def test_backward_played_through_one_copy_engine_as_the_engine_prefetches() -> None:
+    # Every layer offloaded, copies of 5 against backward compute (recompute + backward) of 9 and 3, alternating.
+    # Forward: recompute 3*3 + 3*1 = 12, copies out not hidden 3*(5-3) + 3*(5-1) = 18. Backward (layers 5..0):
+    # depth 0: every restore waited whole, 6*5 = 30; depth 1: the first waited (5), then each dense layer's
+    # restore (5) started at its neighbour's unpack waits 5-3 = 2 behind a dense layer's compute, three times (5+6);
+    # depth 2: two restores run behind each MoE layer's 9, one wait of 2 (5+2). Deeper: nothing more to gain.
+    costs = _alternating(5.0)
+    off = [Choice.OFFLOAD] * 6
+    assert [pipeline_s(costs, off, d) for d in range(5)] == [60.0, 41.0, 37.0, 37.0, 37.0]
+    # Copies shorter than every layer's compute: only the fill is waited for, whatever the depth.
+    assert [pipeline_s(_alternating(2.0), off, d) for d in (1, 2, 3)] == [12 + 3 * 1 + 2.0] * 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(layer, min_size=1, max_size=6), st.data())
+def test_a_deeper_prefetch_never_waits_longer(costs: list[LayerCost], data: st.DataObject) -> None:
+    costs = _named(costs)
+    ch = [data.draw(st.sampled_from(_choices(c))) for c in costs]
+    times = [pipeline_s(costs, ch, d) for d in range(5)]
+    assert all(a >= b - 1e-9 for a, b in zip(times, times[1:])), times
+    # Depth 0: every restore waited for whole.
+    recompute = sum(c.forward_s - (min(c.projection_s, c.forward_s) if x is Choice.SAC else 0.0)
+                    for c, x in zip(costs, ch) if x is not Choice.NONE)
+    copies_out = sum(max(0.0, c.copy(x) - c.forward_s) for c, x in zip(costs, ch))
+    assert times[0] == pytest.approx(recompute + copies_out + sum(c.copy(x) for c, x in zip(costs, ch)))
+
+
+def test_the_prefetch_depth_chosen_where_it_pays_and_its_restores_fit() -> None:
+    costs = _alternating(5.0)
+    # Every layer's input is the same size, so a byte of one more restore ahead buys more as one more kept input
+    # (its copies gone, not only hidden): with room for one input, one layer keeps, at depth 1 (35 against 37).
+    d = choose(costs, 100, 0, 0.0, sac_window=2, prefetch_depths=range(1, 4))
+    assert (d.prefetch_depth, d.counts()["keep"], d.step_s, d.peak_bytes) == (1, 1, 35.0, 100)
+    # Where every layer must offload (pinned), the room goes to the prefetch: depth 2, its restore counted.
+    pins = {c.name: Choice.OFFLOAD for c in costs}
+    d = choose(costs, 100, 0, 0.0, pins=pins, sac_window=2, prefetch_depths=range(1, 4))
+    assert (d.prefetch_depth, d.step_s, d.peak_bytes) == (2, 37.0, 100)
+    assert "prefetch depth 2" in d.table(costs)
+    # One byte short of the restore: the depth the lean peak was measured at.
+    d = choose(costs, 99, 0, 0.0, pins=pins, sac_window=2, prefetch_depths=range(1, 4))
+    assert (d.prefetch_depth, d.step_s, d.peak_bytes) == (1, 41.0, 0)
+    # Copies hidden at any depth: the shallowest (no bytes for nothing).
+    d = choose(_alternating(2.0), 1_000, 0, 0.0, pins=pins, sac_window=2, prefetch_depths=range(1, 4))
+    assert d.prefetch_depth == 1
+    # Without depths: the caller's, and the per-layer copy model.
+    assert choose(costs, 0, 0, 0.0).prefetch_depth is None
+
+
+def test_sacs_learned_cost_moves_the_choice() -> None:
+    costs = _sac_layers(0.1)
+    assert choose(costs, 80, 0, 0.0).counts()["sac"] == 4
+    learned = [dataclasses.replace(c, sac_extra_s=c.projection_s) for c in costs]  # sac gains nothing now
+    assert choose(learned, 80, 0, 0.0).counts()["sac"] == 0

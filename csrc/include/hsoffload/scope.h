@@ -130,6 +130,10 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   // The counters of the spill store this scope writes to (zeros without spill_dir).
   SpillStats spill_stats() const;
   const OffloadConfig& config() const { return config_; }
+  // Host-copy groups restored ahead of backward from now on (config().prefetch_depth until this is called): the
+  // prefetches started after it use `depth`; those in flight finish. From any thread (takes the scope's mutex).
+  void set_prefetch_depth(int64_t depth);
+  int64_t prefetch_depth() const;
   // Number of marks and records currently tracked (for leak tests).
   int64_t tracked_state() const;
 
@@ -230,6 +234,8 @@ class OffloadScope : public std::enable_shared_from_this<OffloadScope> {
   int64_t epoch_ = 0;
   // A prefetch found no device memory in this pass of backward: restores go on demand until release_restores.
   bool prefetch_paused_ = false;
+  // Host-copy groups restored ahead: config_.prefetch_depth until set_prefetch_depth (policy auto chooses it).
+  int64_t prefetch_depth_ = config_.prefetch_depth;  // guarded by mutex_ (config_ is declared before)
   // A host allocation failed in this entry: later packs keep their tensors on the device without trying again.
   bool host_alloc_failed_ = false;
   std::string first_host_alloc_error_;  // the first failure's message, kept for the warning (first_host_alloc_error)

@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .._logging import log_once
-from ..choose import SAC_WINDOW, Choice, Decision, LayerCost, choose, predict
+from ..choose import SAC_WINDOW, Choice, Decision, LayerCost, choose, predict, prefetch_depths
 from ..targets import LAYER_ATTR, unwrap_marking
 from .ranks import Ranks
 
@@ -63,6 +63,9 @@ HEADROOM_FRACTION = 0.02  # without device_budget: this share of the device left
 PROBE_GUESS = 24  # a probe runs only if this many times the layer's input still fits under the budget
 BUCKET = 1.25  # a longer batch calibrates for at least this many times the longest calibrated (variable lengths)
 HISTORY = 1000  # steps kept in `history`
+DECISION_LOG = 100  # decisions kept in `decision_log`
+VERIFY_STEPS = 3  # a decision with sac: its first this many steps' median time is checked against the prediction
+TIME_SLACK = 0.10  # ... and sac's cost learned where that median passes the prediction by more than this share
 STATE_VERSION = 2  # of the file auto_state_path names (2: probes measure the projections)
 
 # The `sac` choice: a layer's projections (the linear layers' matmuls) offloaded by SAC, the rest recomputed. Absent
@@ -344,6 +347,8 @@ class AutoController:
         self.decisions = 0
         self.reason = ""  # why the last decision was made
         self.replans = 0
+        # Every decision's choices (a letter a layer) and why it was made, the last DECISION_LOG
+        self.decision_log: "collections.deque[str]" = collections.deque(maxlen=DECISION_LOG)
         self.history: "collections.deque[StepRecord]" = collections.deque(maxlen=HISTORY)
         self.decided_steps = 0
         self.ranks: Optional[Ranks] = None  # the job's ranks, agreeing on every decision (bound with the device)
@@ -356,6 +361,10 @@ class AutoController:
         # entries a recompute leaves unread)
         self._checkpoints: dict[int, list[Any]] = {}
         self.sac_window = SAC_WINDOW  # layers of sac entries on the device at once (the prefetch depth + 1)
+        # What sac steps took beyond the model, per layer kind, in seconds per token (learned from decided steps:
+        # only grows, so a decision dropped for it does not come back)
+        self.sac_extra_per_token: dict[tuple, float] = {}
+        self._verify: list[float] = []  # the running decision's first steps' times (decisions with sac)
 
     @property
     def lean_peak(self) -> Optional[int]:
@@ -621,7 +630,30 @@ class AutoController:
             self.replans += 1
             return (f"the allocator reserved {reserved / 2**20:.1f} MiB, {over / 2**20:.1f} MiB over the budget "
                     "(its cache and fragmentation)")
-        return None
+        return self._verify_sac(decision, step["index"], measured_s)
+
+    def _verify_sac(self, decision: Decision, index: int, measured_s: float) -> Optional[str]:
+        """A decision with sac: the median of its first VERIFY_STEPS steps against the prediction. sac's cost is the
+        one the model does not see whole (the selective checkpoint's dispatch runs on every op of the layer, in
+        forward and recompute; its projections are many small copies): past TIME_SLACK, the excess is learned as sac's
+        per layer and the decision made again (sac kept only where it still pays)."""
+        if (self.report_only or Choice.SAC not in decision.choices or index != self.decisions
+                or not math.isfinite(measured_s)):
+            return None
+        self._verify.append(measured_s)
+        if len(self._verify) != VERIFY_STEPS:
+            return None
+        measured = sorted(self._verify)[VERIFY_STEPS // 2]
+        if measured <= decision.step_s * (1 + TIME_SLACK):
+            return None
+        sac = [k for k, c in enumerate(decision.choices) if c is Choice.SAC]
+        per_layer = (measured - decision.step_s) / len(sac)
+        layers = self.layers
+        for kind in {_signature(layers[k][1]) for k in sac}:
+            self.sac_extra_per_token[kind] = self.sac_extra_per_token.get(kind, 0.0) + per_layer / max(1, self.tokens)
+        self.replans += 1
+        return (f"its steps with sac measured {measured * 1e3:.1f} ms against {decision.step_s * 1e3:.1f} ms "
+                f"predicted: sac's cost learned, {per_layer * 1e3:.1f} ms more per layer")
 
     # -- the decision ---------------------------------------------------------------------------------------------
 
@@ -656,9 +688,11 @@ class AutoController:
                 # no longer take the selective context (restored measurements, a function changed since the probe)
                 sac_bytes=math.ceil(probe.sac_bytes * fp * self.forwards) if probe and self._selective_offered(
                     layers[k][1]) else 0,
-                projection_s=(probe.projection_s * fp) if probe else 0.0))
+                projection_s=(probe.projection_s * fp) if probe else 0.0,
+                sac_extra_s=self.sac_extra_per_token.get(kind, 0.0) * self.tokens))
         lean = [Choice.OFFLOAD] * len(layers)
-        _, lean_s = predict(costs, lean, 0, 0.0, self.sac_window)
+        lean_depth = self.sac_window - 1  # the configured prefetch depth, the calibration's
+        _, lean_s = predict(costs, lean, 0, 0.0, self.sac_window, lean_depth)
         fixed_s = self.lean_step_s - lean_s  # the step without any layer's extra: what the lean step measured, less
         lean_peak = self.lean_peak
         if self.budget_arg is None:
@@ -668,9 +702,12 @@ class AutoController:
         costs, fixed_s, room, host_room = self._agree(costs, fixed_s, room, host_room)
         self.costs = costs
         self.decided_start_bytes = self.start_bytes
-        self.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins, self.sac_window, host_room)
+        self.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins, self.sac_window, host_room,
+                               prefetch_depths=prefetch_depths(lean_depth))
         self.decisions += 1
         self.reason = why
+        self.decision_log.append(f"{''.join(str(c)[0] for c in self.decision.choices)} ({why})")
+        self._verify = []
         self._save()
         logger.info("hsoffload: policy auto, decision %d (%s; %d tokens; margin %.1f MiB)%s:\n%s", self.decisions,
                     why, self.tokens, self.margin / 2**20, " REPORT ONLY, every layer offloaded" if self.report_only
@@ -746,6 +783,7 @@ class AutoController:
                  "forward_s": {str(k): v for k, v in self.forward_s.items()},
                  "held_keep": {str(k): v for k, v in self.held_keep.items()},
                  "probes": {r: dataclasses.asdict(self.probes[k]) for r, k in kinds.items()},
+                 "sac_extra_per_token": {repr(k): v for k, v in self.sac_extra_per_token.items()},
                  "decisions": self.decisions,
                  "choices": [c.value for c in self.decision.choices] if self.decision else None}
         try:
@@ -803,6 +841,8 @@ class AutoController:
         self.forward_s = {int(k): float(v) for k, v in state["forward_s"].items()}
         self.held_keep = {int(k): int(v) for k, v in state["held_keep"].items()}
         self.probes = {kinds[r]: _Probe(**p) for r, p in state["probes"].items() if r in kinds}
+        self.sac_extra_per_token = {kinds[r]: float(v) for r, v in state.get("sac_extra_per_token", {}).items()
+                                    if r in kinds}
         self.restored = path
         logger.info("hsoffload: policy auto: measurements of %d tokens read from %s: no calibration", self.tokens, path)
         return f"measurements read from {path}"
@@ -825,7 +865,8 @@ class AutoController:
         assert self.ranks is not None
         if self.ranks.size == 1:
             return costs, fixed_s, room, host_room
-        fields = ("held_none", "held_keep", "forward_s", "backward_s", "copy_s", "sac_bytes", "projection_s")
+        fields = ("held_none", "held_keep", "forward_s", "backward_s", "copy_s", "sac_bytes", "projection_s",
+                  "sac_extra_s")
         pins = zlib.crc32(repr(sorted((k, v.value) for k, v in self.pins.items())).encode())
         shape = zlib.crc32(repr([c.name for c in costs]).encode())
         flat = [float(getattr(c, f)) for c in costs for f in fields]
@@ -846,7 +887,7 @@ class AutoController:
             on = everywhere[k] < 0
             out.append(dataclasses.replace(c, held_none=int(v[0]), held_keep=int(v[1]), forward_s=v[2],
                                            backward_s=v[3], copy_s=v[4], sac_bytes=int(v[5]) if on else 0,
-                                           projection_s=v[6] if on else 0.0))
+                                           projection_s=v[6] if on else 0.0, sac_extra_s=v[7]))
         self.sac_window = int(tail[7])  # the deepest prefetch of the ranks: one window for all
         host = -tail[6]
         return out, tail[0], int(-tail[1]), None if host >= unlimited else int(host)
@@ -869,6 +910,7 @@ class AutoController:
         values["auto_decisions"] = float(self.decisions)
         values["auto_fits"] = float(self.decision is not None and self.decision.fits)
         values["auto_budget_gib"] = (self.budget or 0) / gib
+        values["auto_prefetch_depth"] = float(self.prefetch_depth())
         last = next((r for r in reversed(self.history) if r.decided), None)
         if last is not None:
             values["auto_predicted_peak_gib"] = (last.predicted_peak_bytes or 0) / gib
@@ -883,8 +925,15 @@ class AutoController:
             return [Choice.OFFLOAD] * len(self.layers)  # calibration (the lean baseline), or report only
         return list(self.decision.choices)
 
+    def prefetch_depth(self) -> int:
+        """The prefetch depth run now: the decision's, or the configured one (calibration, report only)."""
+        if self.decision is None or self.report_only or self.decision.prefetch_depth is None:
+            return self.sac_window - 1
+        return self.decision.prefetch_depth
+
     def _apply(self, scope: Any) -> None:
         tracker = scope.layer_tracker
+        scope.set_prefetch_depth(self.prefetch_depth())
         for (name, layer), choice in zip(self.layers, self.choices()):
             if id(layer) not in self._flags:
                 self._flags[id(layer)] = bool(getattr(layer, "gradient_checkpointing", False))

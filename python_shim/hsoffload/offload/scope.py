@@ -380,7 +380,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 "prefetch_depth (now %d) trades that retry for less device memory. See scope.stats.prefetch_oom.",
                 stats.prefetch_oom,
                 stats.prefetch_dropped,
-                self.config.prefetch_depth,
+                self.prefetch_depth,
             )
         if stats.skipped_marked_tensors > 0:
             log_once(
@@ -417,6 +417,15 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 "thread; call it inside `with scope:` on the thread that entered it"
             )
         return mark_hidden_state(x)
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """Decoder layers restored ahead of backward from now on (config.prefetch_depth until set; policy auto sets
+        its choice at every step's first layer)."""
+        self._scope.set_prefetch_depth(int(depth))
+
+    @property
+    def prefetch_depth(self) -> int:
+        return int(self._scope.prefetch_depth())
 
     @property
     def id(self) -> int:

@@ -474,9 +474,11 @@ def auto_decision(shape: pm.ModelShape, s: pm.Setup, device: timing.DeviceProfil
     fixed = timing.step_time(shape, plain, device, [0] * shape.layers, local).total_s
     # The host bytes sac's projections may take: this rank's host budget less the inputs every layer may offload.
     host_room = None if host_bytes is None else max(0, host_bytes - sum(c.held_keep for c in costs))
-    d = choose.choose(costs, device_bytes, lean_reserved, fixed, sac_window=s.prefetch_depth + 1, host_room=host_room)
+    d = choose.choose(costs, device_bytes, lean_reserved, fixed, sac_window=s.prefetch_depth + 1, host_room=host_room,
+                      prefetch_depths=choose.prefetch_depths(s.prefetch_depth))
     return AutoPlan(choices=[str(c) for c in d.choices], counts=d.counts(), budget_bytes=device_bytes,
-                    peak_bytes=d.peak_bytes, step_time_s=d.step_s, fits=d.fits, table=d.table(costs))
+                    peak_bytes=d.peak_bytes, step_time_s=d.step_s, fits=d.fits, table=d.table(costs),
+                    prefetch_depth=d.prefetch_depth)
 
 
 # Pinned model states beyond this fraction of a node's RAM leave too little for the OS, data loaders, the processes.

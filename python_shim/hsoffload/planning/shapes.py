@@ -199,6 +199,7 @@ class AutoPlan:
     step_time_s: float  # predicted
     fits: bool
     table: str  # the decision as the runtime logs it
+    prefetch_depth: Optional[int] = None  # layers restored ahead in backward, as chosen
 
 
 @dataclasses.dataclass(frozen=True)

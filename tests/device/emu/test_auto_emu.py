@@ -8,13 +8,16 @@ leanest choice's peak (every layer offloaded) and above the peak without checkpo
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
+import time
 from typing import Any, Optional
 
 import pytest
 import torch
 import transformers
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import hsemu
 import hsoffload
@@ -345,3 +348,65 @@ def test_the_allocators_reserved_bytes_are_kept_under_the_budget(dev: torch.devi
     assert max(reserved["gap"]) <= budget, (reserved, budget)
     assert decisions == {"no gap": {"none": 2, "keep": 2, "sac": 0, "offload": 0},
                          "gap": {"none": 1, "keep": 3, "sac": 0, "offload": 0}}, decisions
+
+
+def test_sac_slower_than_its_model_is_learned_and_dropped(dev: torch.device, reference: dict[str, Any],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """sac's cost beyond the model (the selective checkpoint's dispatch on every op; here a policy that takes 3 ms a
+    call, as a Python policy over a layer of many small ops): at a budget that holds the sac window and not one
+    layer without checkpointing, the first decision chooses sac (its projections not recomputed, copies free); its
+    first VERIFY_STEPS steps measure slower than predicted, sac's cost is learned per layer and the next decision
+    runs without it, for good. Gradients bit for bit plain checkpointing's throughout."""
+    def slow_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.003)
+        return auto._projections_to_host(ctx, op, *args, **kwargs)
+
+    monkeypatch.setattr(auto, "SAC_CONTEXT", functools.partial(create_selective_checkpoint_contexts, slow_policy))
+    sac_bytes = SEQ * (4 * 64 + 2 * 256 + 64) * 4  # a layer's projections (q, k, v, o, gate, up, down), float32
+    gc.collect()
+    budget = (reference["lean_peak"] + hsemu.stats()["allocated_bytes"]  # what earlier tests left counted
+              + 2 * sac_bytes + 192 * 1024)  # the window, and one input kept (not two)
+    steps = 2 + auto.VERIFY_STEPS + 3
+    with hsemu.copy_delay(0, 0, 0):
+        ref, _, _ = _train(dev, "checkpointing", seqs=[SEQ] * steps)
+        grads, _, model = _train(dev, "auto", budget, seqs=[SEQ] * steps)
+    assert _same(grads, ref), "gradients differ from plain checkpointing"
+    ctl = auto.controller(model)
+    decided = [r for r in ctl.history if r.decided]
+    first = [r for r in decided if r.decision_index == 1]
+    assert len(first) == auto.VERIFY_STEPS, [(r.decision_index, r.measured_step_s) for r in decided]
+    assert ctl.decisions == 2 and "sac's cost learned" in ctl.reason, ctl.reason
+    assert Choice.SAC not in ctl.decision.choices, ctl.decision.choices
+    assert all(v > 0 for v in ctl.sac_extra_per_token.values()) and ctl.sac_extra_per_token
+    assert all(c.sac_extra_s > 0 for c in ctl.costs)
+
+
+def test_the_prefetch_depth_is_chosen_and_applied(dev: torch.device, reference: dict[str, Any]) -> None:
+    """prefetch_depth=0 configured (calibration restores on demand: no prefetch hits) and every layer pinned to
+    offload, copies as long as a layer's forward: with room for a restore ahead, auto chooses depth 1 (its model:
+    each restore but the first then overlaps the layer after it; deeper gains nothing with alike layers) and the
+    scope's engine prefetches from the first decided step on. Gradients bit for bit plain checkpointing's."""
+    gc.collect()
+    budget = reference["lean_peak"] + hsemu.stats()["allocated_bytes"] + (1 << 20)  # what earlier tests left counted
+    seen = []
+    with hsemu.copy_delay(0, 0, 0):
+        ref, _, _ = _train(dev, "checkpointing")
+        model, opt = _model(dev)
+        grads = []
+        with hsemu.copy_rate(20_000_000, 20_000_000, 0):  # a 128 KiB input: about 6.5 ms a copy
+            for step in range(STEPS):
+                ids = _ids(dev, SEQ, step)
+                with hsoffload.offload_hidden_states(model, policy="auto", device_budget=budget, min_offload_size=0,
+                                                     prefetch_depth=0) as scope:
+                    if step == 0:
+                        auto.pin(model, {f"model.layers.{i}": "offload" for i in range(4)})
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    seen.append((scope.prefetch_depth, scope.stats.prefetch_hits))
+                grads.append([p.grad.cpu() for p in model.parameters()])
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    assert _same(grads, ref), "gradients differ from plain checkpointing"
+    ctl = auto.controller(model)
+    assert ctl.decision.prefetch_depth == 1 and "prefetch depth 1" in ctl.report(), ctl.report()
+    assert seen[:2] == [(0, 0), (0, 0)], seen  # calibration: the configured depth, restores on demand
+    assert all(depth == 1 and hits == 3 for depth, hits in seen[2:]), seen  # layers 2, 1, 0 restored ahead
