@@ -6,6 +6,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <tuple>
+
 namespace hsoffload::ops {
 
 TORCH_LIBRARY(hsoffload, m) {
@@ -37,6 +39,13 @@ TORCH_LIBRARY(hsoffload, m) {
       // hsoffload/stats.h (one list per struct, defined once); Python builds its dataclasses from those names.
       // This scope's counters (HSOFFLOAD_OFFLOAD_STATS).
       .def("stats", &scope_stats)
+      // Two of those counters, offloaded_tensors and offloaded_bytes, without the dictionary: read at every decoder
+      // layer's start and end (the per-layer counters).
+      .def("offloaded",
+           [](const c10::intrusive_ptr<OffloadScopeHolder>& self) {
+             const OffloadStats s = self->scope->stats();
+             return std::make_tuple(s.offloaded_tensors, s.offloaded_bytes);
+           })
       // The counters of the scope's spill store (HSOFFLOAD_SPILL_STATS; zeros without spill_dir).
       .def("spill_stats", &scope_spill_stats)
       // What the scope's first failed host allocation raised ("" if none): quoted by the Python warning.

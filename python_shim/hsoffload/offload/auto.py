@@ -547,9 +547,9 @@ class AutoController:
         ready = self.lean_increase is not None and self.calibrated >= self.calibration_steps
         state = zlib.crc32(repr(([n for n, _ in self.layers], self.tokens, self.calibrated, self.decisions,
                                  len(self.probes))).encode())
-        longest, want_any, not_boundary, not_ready, high, low = self.ranks.max(
-            [tokens, want, 0.0 if boundary else 1.0, 0.0 if ready else 1.0, state, -state])
-        if high != -low:
+        (longest, want_any, not_boundary, not_ready), same = self.ranks.max_and_same(
+            [tokens, want, 0.0 if boundary else 1.0, 0.0 if ready else 1.0], [state])
+        if not same:
             raise RuntimeError("hsoffload: policy auto: the ranks' models or auto states differ (decoder layers, the "
                                "tokens calibrated for, calibration steps, decisions or probes): every rank must run the "
                                "same model through the same steps, forward and backward, for one decision to hold")
@@ -823,8 +823,8 @@ class AutoController:
         ok = state is not None
         if self.ranks.size > 1:  # every rank reuses a file saved at the same decision, or none does
             saved = zlib.crc32(repr([state.get(k) for k in ("decisions", "tokens", "calibrated")]).encode()) if ok else 0
-            low, high, low_crc = self.ranks.min([1.0 if ok else 0.0, -saved, saved])
-            ok = low > 0 and -high == low_crc
+            (low,), same = self.ranks.min_and_same([1.0 if ok else 0.0], [saved])
+            ok = low > 0 and same
             if not ok and state is not None:
                 why = "another rank has no matching file, or one saved at another decision"
         if not ok:
@@ -873,24 +873,24 @@ class AutoController:
         unlimited = float(NEVER)
         # sac is offered for a layer only if every rank can apply it (-1 where offered: the max is -1 iff all are)
         offered = [-1.0 if c.sac_offered else 0.0 for c in costs]
-        agreed = self.ranks.max(flat + [fixed_s, -room, shape, -shape, pins, -pins,
-                                        -(unlimited if host_room is None else host_room), self.sac_window] + offered)
-        tail = agreed[len(flat):]
-        if tail[2] != -tail[3] or tail[4] != -tail[5]:
+        agreed, same = self.ranks.max_and_same(
+            flat + offered + [fixed_s, -room, -(unlimited if host_room is None else host_room), self.sac_window],
+            [shape, pins])
+        fixed_s, neg_room, neg_host, window = agreed[len(flat) + len(offered):]
+        if not same:
             raise RuntimeError("hsoffload: policy auto: the ranks' models have different decoder layers, or "
                                "auto.pin() was given different pins on different ranks; every rank must run the same "
                                "model with the same pins (one decision is applied by all)")
         out = []
-        everywhere = agreed[len(flat) + 8:]
+        everywhere = agreed[len(flat):len(flat) + len(offered)]
         for k, c in enumerate(costs):
             v = agreed[k * len(fields):(k + 1) * len(fields)]
             on = everywhere[k] < 0
             out.append(dataclasses.replace(c, held_none=int(v[0]), held_keep=int(v[1]), forward_s=v[2],
                                            backward_s=v[3], copy_s=v[4], sac_bytes=int(v[5]) if on else 0,
                                            projection_s=v[6] if on else 0.0, sac_extra_s=v[7]))
-        self.sac_window = int(tail[7])  # the deepest prefetch of the ranks: one window for all
-        host = -tail[6]
-        return out, tail[0], int(-tail[1]), None if host >= unlimited else int(host)
+        self.sac_window = int(window)  # the deepest prefetch of the ranks: one window for all
+        return out, fixed_s, int(-neg_room), None if -neg_host >= unlimited else int(-neg_host)
 
     def report(self) -> str:
         """The last decision: why it was made, and its table (empty before the first)."""

@@ -20,7 +20,6 @@ from typing import Any, Optional
 import torch
 
 from .current import current_scope
-from ..stats import OffloadStats, from_engine
 
 
 def selected_layers(count: int, keep_last_layers: int, offload_fraction: float) -> list[bool]:
@@ -55,8 +54,9 @@ class _Visit:
 
 
 def _stat_pair(engine: Any) -> tuple[int, int]:
-    s = from_engine(OffloadStats, engine.stats())
-    return s.offloaded_tensors, s.offloaded_bytes
+    """The scope's offloaded_tensors and offloaded_bytes (the engine's two counters alone: read twice per layer)."""
+    tensors, nbytes = engine.offloaded()
+    return int(tensors), int(nbytes)
 
 
 class LayerTracker:

@@ -18,7 +18,7 @@ Thread-safety: used on the thread that runs forward (the controller's), where th
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -55,3 +55,19 @@ class Ranks:
     def min(self, values: Sequence[float]) -> list[float]:
         """Each value's smallest over the ranks."""
         return self._reduce(values, torch.distributed.ReduceOp.MIN) if self.size > 1 else [float(v) for v in values]
+
+    def max_and_same(self, values: Sequence[float], same: Sequence[float]) -> tuple[list[float], bool]:
+        """Each value's largest over the ranks, and whether every rank gave the same `same` values (checksums), in
+        one all-reduce (the largest of each checksum and of its negation: equal everywhere iff they cancel)."""
+        return self._and_same(self.max, values, same)
+
+    def min_and_same(self, values: Sequence[float], same: Sequence[float]) -> tuple[list[float], bool]:
+        """`max_and_same` with each value's smallest."""
+        return self._and_same(self.min, values, same)
+
+    @staticmethod
+    def _and_same(reduce: Callable[[Sequence[float]], list[float]], values: Sequence[float],
+                  same: Sequence[float]) -> tuple[list[float], bool]:
+        n = len(values)
+        out = reduce(list(values) + [v for x in same for v in (float(x), -float(x))])
+        return out[:n], all(out[n + 2 * k] == -out[n + 2 * k + 1] for k in range(len(same)))
