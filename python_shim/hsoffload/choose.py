@@ -274,6 +274,9 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
             step = predict(costs, chosen, lean_peak_bytes, fixed_s, sac_window, depth)[1]
             if not found or step < found[0][0] * (1 - DEPTH_GAIN):
                 found.insert(0, (step, -1 if depth is None else depth, chosen))
+            if depth is not None and len(found) == 1 and (
+                    step - fixed_s - pipeline_s(costs, chosen, len(costs)) <= DEPTH_GAIN * step):
+                break  # no restore waited for that any depth could hide: deeper ones only hold more
     if found:
         _, depth, chosen = found[0]
         fits = True
