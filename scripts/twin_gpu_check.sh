@@ -35,7 +35,7 @@ if [[ -n "$bad" || -z "$started" || "$started" != "$ended_ok" ]]; then
   [[ -n "$bad" ]] && echo "$bad" >&2
   exit 1
 fi
-for step in build pytest_gpu pytest_faults sanitizer demo step_time bench_cpu; do
+for step in build pytest_gpu pytest_faults sanitizer demo step_time policy_auto bench_cpu; do
   grep -qx "$step" <<<"$ended_ok" || { echo "twin_gpu_check: step $step did not run" >&2; exit 1; }
 done
 echo "twin_gpu_check: every step ok ($(echo $ended_ok)); $(grep -E '\] done in' "$summary" | sed 's/.*\] //')"

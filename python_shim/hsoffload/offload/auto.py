@@ -702,8 +702,9 @@ class AutoController:
         costs, fixed_s, room, host_room = self._agree(costs, fixed_s, room, host_room)
         self.costs = costs
         self.decided_start_bytes = self.start_bytes
+        # the agreed window: the ranks' deepest configured prefetch (one set of depths everywhere)
         self.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins, self.sac_window, host_room,
-                               prefetch_depths=prefetch_depths(lean_depth))
+                               prefetch_depths=prefetch_depths(self.sac_window - 1))
         self.decisions += 1
         self.reason = why
         self.decision_log.append(f"{''.join(str(c)[0] for c in self.decision.choices)} ({why})")
