@@ -92,15 +92,16 @@ class LayerCost:
             return self.copy_s * (1 + self.sac_bytes / max(1, self.held_keep))
         return 0.0
 
+    def recompute_s(self, c: Choice) -> float:
+        """Backward's recompute of this layer's forward: none without checkpointing, less its projections (sac)."""
+        if c is Choice.NONE:
+            return 0.0
+        return self.forward_s - (min(self.projection_s, self.forward_s) if c is Choice.SAC else 0.0)
+
     def extra_s(self, c: Choice) -> float:
         """The time this choice adds to the step over `none` (the pipeline's fill not included): the recompute, and
         what of the copy out its forward does not hide, and of the copy back its recompute and backward."""
-        if c is Choice.NONE:
-            return 0.0
-        if c is Choice.KEEP:
-            return self.forward_s
-        recompute = self.forward_s - (min(self.projection_s, self.forward_s) if c is Choice.SAC else 0.0)
-        copy = self.copy(c)
+        recompute, copy = self.recompute_s(c), self.copy(c)
         learned = self.sac_extra_s if c is Choice.SAC else 0.0
         return recompute + max(0.0, copy - self.forward_s) + max(0.0, copy - recompute - self.backward_s) + learned
 
@@ -177,24 +178,17 @@ def predict(costs: Sequence[LayerCost], choices: Sequence[Choice], lean_peak_byt
     copies are played through one copy engine (`pipeline_s`) and the peak holds the restores ahead beyond the lean
     peak's (`sac_window` - 1 of them: the lean peak was measured at that depth); without it, each layer's copy is
     set against its own compute (`LayerCost.extra_s`) and the fill is one copy."""
+    window, ahead = (sac_window, 0) if depth is None else (depth + 1, max(0, depth - (sac_window - 1)))
+    peak = (lean_peak_bytes + sum(c.held(x) for c, x in zip(costs, choices)) + window_bytes(costs, choices, window)
+            + ahead * _largest_restore(costs, choices))
     if depth is None:
-        peak = (lean_peak_bytes + sum(c.held(x) for c, x in zip(costs, choices))
-                + window_bytes(costs, choices, sac_window))
         return peak, fixed_s + sum(c.extra_s(x) for c, x in zip(costs, choices)) + fill_s(costs, choices)
-    peak = (lean_peak_bytes + sum(c.held(x) for c, x in zip(costs, choices)) + window_bytes(costs, choices, depth + 1)
-            + max(0, depth - (sac_window - 1)) * _largest_restore(costs, choices))
     return peak, fixed_s + pipeline_s(costs, choices, depth)
 
 
 def _largest_restore(costs: Sequence[LayerCost], choices: Sequence[Choice]) -> int:
     """The largest input restored in backward (the layers that offload or choose sac)."""
     return max((c.held_keep for c, x in zip(costs, choices) if x in (Choice.OFFLOAD, Choice.SAC)), default=0)
-
-
-def _recompute_s(cost: LayerCost, c: Choice) -> float:
-    if c is Choice.NONE:
-        return 0.0
-    return cost.forward_s - (min(cost.projection_s, cost.forward_s) if c is Choice.SAC else 0.0)
 
 
 def pipeline_s(costs: Sequence[LayerCost], choices: Sequence[Choice], depth: int) -> float:
@@ -206,7 +200,7 @@ def pipeline_s(costs: Sequence[LayerCost], choices: Sequence[Choice], depth: int
     arrived; the first restore is waited for whole (the pipeline's fill)."""
     extra = 0.0
     for cost, c in zip(costs, choices):
-        extra += _recompute_s(cost, c) + max(0.0, cost.copy(c) - cost.forward_s)
+        extra += cost.recompute_s(c) + max(0.0, cost.copy(c) - cost.forward_s)
         extra += cost.sac_extra_s if c is Choice.SAC else 0.0
     order = [i for i in reversed(range(len(costs)))]
     copied = [i for i in order if choices[i] in (Choice.OFFLOAD, Choice.SAC)]
@@ -231,7 +225,7 @@ def pipeline_s(costs: Sequence[LayerCost], choices: Sequence[Choice], depth: int
             extra += wait
             t += wait
             start_until(at[i] + depth, t)  # the layers `depth` ahead, at this unpack
-        t += _recompute_s(costs[i], choices[i]) + costs[i].backward_s
+        t += costs[i].recompute_s(choices[i]) + costs[i].backward_s
     return extra
 
 

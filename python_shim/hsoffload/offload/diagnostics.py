@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -174,12 +174,14 @@ def _overriding_classes(layers: list[torch.nn.Module], base: type) -> list[str]:
     return sorted(names)
 
 
-def check_model(model: torch.nn.Module, policy: Policy = PolicyName.HIDDEN_STATES) -> int:
+def check_model(model: torch.nn.Module, policy: Policy = PolicyName.HIDDEN_STATES, *,
+                modules: Optional[Sequence[torch.nn.Module]] = None) -> int:
     """Log (once per problem) why offload would do nothing for (part of) `model`; return the number
     of checkpointed layers whose inputs the patch will certainly mark (layers overriding `__call__`
-    are not counted)."""
+    are not counted). `modules`: `list(model.modules())` where the caller has it already."""
     cls = layer_class()
-    layers = [m for m in model.modules() if isinstance(m, cls)]
+    modules = list(model.modules()) if modules is None else modules
+    layers = [m for m in modules if isinstance(m, cls)]
     if not layers:
         log_once(
             f"nolayers:{type(model).__name__}",
@@ -202,7 +204,7 @@ def check_model(model: torch.nn.Module, policy: Policy = PolicyName.HIDDEN_STATE
         return len(layers)  # "all" and callables need no checkpointing
     wrapper_cls = checkpoint_wrapper_class()
     wrapped = (
-        {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, wrapper_cls)}
+        {id(m._checkpoint_wrapped_module) for m in modules if isinstance(m, wrapper_cls)}
         if wrapper_cls is not None
         else set()
     )

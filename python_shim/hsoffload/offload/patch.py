@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -304,13 +304,14 @@ def is_patched() -> bool:
     return LAYER_CALL.is_installed()
 
 
-def rebind_compiled_layers(model: torch.nn.Module) -> int:
+def rebind_compiled_layers(model: torch.nn.Module, *, modules: Optional[Sequence[torch.nn.Module]] = None) -> int:
     """Decoder layers wrapped by `torch.compile(layer)` (Accelerate's regional compilation) before `patch()` bound
-    the stock `__call__`: re-initialise those wrappers so they trace the patched one. Returns how many."""
+    the stock `__call__`: re-initialise those wrappers so they trace the patched one. Returns how many. `modules`:
+    `list(model.modules())` where the caller has it already."""
     cls = layer_class()
     rebound = 0
-    for module in model.modules():
-        inner = getattr(module, "_orig_mod", None)
+    for module in model.modules() if modules is None else modules:
+        inner = module._modules.get("_orig_mod")  # torch.compile(layer) registers the layer as this submodule
         if not isinstance(inner, cls) or not isinstance(module, torch.nn.Module):
             continue
         compiled_call = module.__dict__.get("_forward", module.__dict__.get("forward"))
@@ -344,7 +345,8 @@ def offload_hidden_states(
     patch()
     scope = OffloadScope(config, **kwargs)
     if model is not None:
-        rebind_compiled_layers(model)
-        check_model(model, policy=scope.config.policy)
+        modules = list(model.modules())  # one walk for both (this runs at every step of the one-line idiom)
+        rebind_compiled_layers(model, modules=modules)
+        check_model(model, policy=scope.config.policy, modules=modules)
         scope.bind_model(model)
     return scope
