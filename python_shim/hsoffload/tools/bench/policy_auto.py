@@ -14,11 +14,15 @@ the other configurations' bytes (each runner's parameters and optimizer states, 
 1. **pick** (`pick_rounds`, the first `warm` not counted: auto calibrates and decides there): every configuration;
    their peaks, and per budget the fastest fixed configuration that fits (median step);
 2. **compare** (`compare_rounds` per budget, fresh samples: a pick and a comparison on the same samples would hold
-   auto to the minimum of many noisy medians, below any one configuration's own): per budget, auto and the fixed
-   configuration picked alone, one step each per round, adjacent in time and in alternating order; the median over
-   rounds of auto's step over the picked one's **in the same round** (paired: a slow spell falls on both), with a
-   distribution-free 90 % interval of that median (rounds assumed independent: the machine's slower drifts make it
-   narrower than the run-to-run spread, a few per cent on a shared 2-core machine).
+   auto to the minimum of many noisy medians, below any one configuration's own): per budget, auto's runner alone,
+   each round one step of auto and one of the picked configuration **on auto's own model** (`as_config`; every
+   configuration's gradients are plain checkpointing's bit for bit, so the model goes where it would anyway),
+   adjacent in time and in alternating order; the median over rounds of auto's step over the picked one's in the
+   same round, with a distribution-free 90 % interval of that median (rounds taken as independent). One model for
+   both: two identical configurations on two models measured up to 5 % apart here (the models' memory placed
+   differently), more than the goal. Where the interval holds the goal strictly inside (these rounds cannot tell
+   it met from missed), rounds are added, a third at a time, up to 3x (`compare`): one rule on both sides of the
+   goal; the verdict is the median's.
 
 Goals (issue 39): auto's peak under the budget over every step, calibration included; auto's paired median step
 within GOAL (3 %) of the fastest fixed configuration that fits, or faster.
@@ -29,7 +33,9 @@ link is the machine's: `python -m hsoffload.tools.bench.policy_auto`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -38,13 +44,13 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from ...offload import auto
 from ...offload.auto import DeviceMemory
-from ...targets import enable_checkpointing
+from ...targets import LAYER_ATTR, enable_checkpointing, unwrap_marking
 
 logger = logging.getLogger("hsoffload")
 
@@ -92,6 +98,31 @@ def make_model(setup: Setup, device: torch.device) -> tuple[torch.nn.Module, tor
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+@contextlib.contextmanager
+def as_config(model: torch.nn.Module, config: str) -> Iterator[None]:
+    """`model` (made by `make_model`: every layer checkpointed) as `config` for one step: `none` turns its layers'
+    checkpointing off, `sac_all` gives their checkpoints auto's selective context (`auto.SAC_CONTEXT`, as its `sac`
+    choice does); both put back after. The others need no change of the layers (auto's scope restores its own)."""
+    layers = list(model.model.layers)
+    flags = [layer.gradient_checkpointing for layer in layers]
+    funcs = [layer.__dict__[LAYER_ATTR] for layer in layers]  # transformers sets it on each layer
+    try:
+        for layer, func in zip(layers, funcs):
+            if config == "none":
+                layer.gradient_checkpointing = False
+            elif config == "sac_all":
+                plain = unwrap_marking(func)
+                assert isinstance(plain, functools.partial), "make_model's layers use torch's checkpoint"
+                layer.__dict__[LAYER_ATTR] = functools.partial(
+                    plain.func, *plain.args, **{**plain.keywords, "context_fn": auto.SAC_CONTEXT})
+        yield
+    finally:
+        for layer, flag, func in zip(layers, flags, funcs):
+            layer.gradient_checkpointing = flag
+            if config == "sac_all":
+                layer.__dict__[LAYER_ATTR] = func
+
+
 class Runner:
     """One configuration's model, optimizer and batch, kept on the device beside the others'. Its optimizer states
     are made at creation (a step on zero gradients), so every runner's persistent bytes are fixed from the start and
@@ -101,11 +132,6 @@ class Runner:
                  budget: Optional[int] = None) -> None:
         self.config, self.budget, self.memory = config, budget, memory
         self.model, self.opt = make_model(setup, device)
-        if config == "none":
-            for layer in self.model.model.layers:
-                layer.gradient_checkpointing = False
-        if config == "sac_all":
-            enable_checkpointing(self.model, {"use_reentrant": False, "context_fn": auto.SAC_CONTEXT})
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
         self.opt.step()
@@ -126,28 +152,37 @@ class Runner:
         return sum(-(-t.untyped_storage().nbytes() // 512) * 512 for t in tensors)
 
     def step(self, round_index: int) -> None:
+        """One step of this runner's own configuration, its time and peak recorded."""
+        elapsed, peak = self.run(self.config)
+        self.times.append(elapsed)
+        self.rounds.append(round_index)
+        self.peaks.append(peak)
+
+    def run(self, config: str) -> tuple[float, int]:
+        """One step of this runner's model as `config` (its own, or a guest's: `as_config`): its time and peak.
+        Every configuration's gradients are bit for bit plain checkpointing's, so a guest's step leaves the model
+        where its own would."""
         import hsoffload  # noqa: PLC0415  (the package's own entry point)
 
         self.memory.synchronize()
         self.memory.reset_peak()
         t0 = time.perf_counter()
-        if self.config in ("checkpointing", "none"):
-            self.model(input_ids=self.ids, labels=self.ids).loss.backward()
-        else:  # sac_all too: its policy's MUST_CPU_OFFLOAD goes through the scope, with the inputs
-            kwargs: dict[str, Any] = {"min_offload_size": 0}
-            if self.config == "auto":
-                assert self.budget is not None
-                kwargs.update(policy="auto", device_budget=self.budget + self.others)
-            elif self.config.startswith("keep_last_layers="):
-                kwargs["keep_last_layers"] = int(self.config.split("=")[1])
-            with hsoffload.offload_hidden_states(self.model, **kwargs):
+        with as_config(self.model, config):
+            if config in ("checkpointing", "none"):
                 self.model(input_ids=self.ids, labels=self.ids).loss.backward()
+            else:  # sac_all too: its policy's MUST_CPU_OFFLOAD goes through the scope, with the inputs
+                kwargs: dict[str, Any] = {"min_offload_size": 0}
+                if config == "auto":
+                    assert self.budget is not None
+                    kwargs.update(policy="auto", device_budget=self.budget + self.others)
+                elif config.startswith("keep_last_layers="):
+                    kwargs["keep_last_layers"] = int(config.split("=")[1])
+                with hsoffload.offload_hidden_states(self.model, **kwargs):
+                    self.model(input_ids=self.ids, labels=self.ids).loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.memory.synchronize()
-        self.times.append(time.perf_counter() - t0)
-        self.rounds.append(round_index)
-        self.peaks.append(int(self.memory.peak() or 0) - self.others)
+        return time.perf_counter() - t0, int(self.memory.peak() or 0) - self.others
 
     def choices(self) -> str:
         ctl = auto.controller(self.model)
@@ -189,22 +224,24 @@ class Field:
             self._round += 1
         return n
 
-    def pairs(self, a: Runner, b: Runner, n: int, deadline: Optional[float] = None) -> int:
-        """`n` rounds of a and b alone, one step each, adjacent in time (a slow spell falls on both), in alternating
-        order (neither always runs after the other). Returns the rounds run."""
+    def with_guest(self, a: Runner, config: str, n: int, deadline: Optional[float] = None) -> list[tuple[float, float]]:
+        """`n` rounds of a's own step and one of `config` on a's model (`Runner.run`), adjacent in time (a slow
+        spell falls on both), in alternating order (neither always runs after the other), on the same parameters,
+        optimizer states and allocations (a model's own speed, its memory's placement, falls on both too). Returns
+        the (own, guest) step times per round."""
+        out = []
         for k in range(n):
             if deadline is not None and time.monotonic() > deadline:
-                return k
-            for r in ((a, b) if k % 2 == 0 else (b, a)):
-                r.step(self._round)
+                break
+            if k % 2 == 0:
+                a.step(self._round)
+                guest, _ = a.run(config)
+            else:
+                guest, _ = a.run(config)
+                a.step(self._round)
+            out.append((a.times[-1], guest))
             self._round += 1
-        return n
-
-
-def _paired(a: Runner, b: Runner, since: int) -> list[float]:
-    """a's step over b's, per round both stepped in from round `since`."""
-    bt = {r: t for r, t in zip(b.rounds, b.times) if r >= since}
-    return sorted(t / bt[r] for r, t in zip(a.rounds, a.times) if r >= since and r in bt)
+        return out
 
 
 def median_interval(sorted_values: list[float], z: float = 1.645) -> tuple[float, float]:
@@ -218,10 +255,27 @@ def median_interval(sorted_values: list[float], z: float = 1.645) -> tuple[float
     return sorted_values[lo], sorted_values[max(lo, hi)]
 
 
+def compare(field: Field, a: Runner, config: str, rounds: int, most: int,
+            deadline: Optional[float] = None) -> list[tuple[float, float]]:
+    """auto's steps and `config`'s on auto's model (`Field.with_guest`): `rounds` of them, then more, a third of
+    `rounds` at a time up to `most`, while the median ratio's 90 % interval holds the goal (1 + GOAL) strictly
+    inside: more samples only where these cannot tell the goal met from missed. Returns (auto, config) per round."""
+    pairs: list[tuple[float, float]] = []
+    step = rounds
+    while True:
+        done = field.with_guest(a, config, step, deadline=deadline)
+        pairs += done
+        lo, hi = median_interval(sorted(x / y for x, y in pairs))
+        if len(done) < step or len(pairs) >= most or not lo <= 1 + GOAL < hi:
+            return pairs
+        step = min(max(1, rounds // 3), most - len(pairs))
+
+
 def side_by_side(setup: Setup, device: torch.device, *, sac: bool = True, pick_rounds: int = 15, warm: int = 5,
-                 compare_rounds: int = 30, deadline: Optional[float] = None,
+                 compare_rounds: int = 30, most_compare_rounds: Optional[int] = None, deadline: Optional[float] = None,
                  fractions: tuple[float, ...] = BUDGET_FRACTIONS) -> dict[str, Any]:
-    """One regime: the fixed configurations' peaks, auto at 4 budgets, the pick and the paired comparison."""
+    """One regime: the fixed configurations' peaks, auto at 4 budgets, the pick and the paired comparison
+    (`compare`: `compare_rounds`, up to `most_compare_rounds`, 3x by default, where those cannot decide)."""
     names = setup.fixed_names(sac)
     # The peaks first (deterministic): the budgets lie between the leanest configuration's and no checkpointing's.
     probe = Field(setup, device, [(n, None) for n in ("offload_all", "none")])
@@ -244,17 +298,15 @@ def side_by_side(setup: Setup, device: torch.device, *, sac: bool = True, pick_r
     out_rows = []
     for row in rows:
         a, b = row["auto"], row["best"]
-        since = field._round
-        if b is not None:
-            field.pairs(a, b, compare_rounds, deadline=deadline)
-        ratios = _paired(a, b, since) if b is not None else []
+        pairs = (compare(field, a, b.config, compare_rounds, most_compare_rounds or 3 * compare_rounds, deadline)
+                 if b is not None else [])
+        ratios = sorted(x / y for x, y in pairs)
         lo, hi = median_interval(ratios)
         out_rows.append({
             "budget": row["budget"], "choices": a.choices(), "decisions": a.decisions(), "auto_peak": max(a.peaks),
-            "auto_step_s": statistics.median([t for r, t in zip(a.rounds, a.times) if r >= since] or [math.nan]),
+            "auto_step_s": statistics.median([x for x, _ in pairs] or [math.nan]),
             "best": b.config if b else None, "best_peak": max(b.peaks) if b else None,
-            "best_step_s": statistics.median([t for r, t in zip(b.rounds, b.times) if r >= since] or [math.nan])
-            if b else None,
+            "best_step_s": statistics.median([y for _, y in pairs]) if pairs else None,
             "ratio": statistics.median(ratios) if ratios else math.nan, "ratio_90": (lo, hi), "pairs": len(ratios)})
     return {"fixed": picked,
             "rows": out_rows, "pick_rounds": picked_rounds, "lean_peak": lean, "none_peak": none}

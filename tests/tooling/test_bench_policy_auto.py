@@ -1,0 +1,52 @@
+"""The policy-auto benchmark's same-model comparison (hsoffload.tools.bench.policy_auto.as_config): a guest
+configuration's step on auto's model changes the layers only for that step, and leaves the model where plain
+checkpointing's step would (bit for bit), so the comparison's rounds measure the same training run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hsoffload
+from hsoffload.offload import auto
+from hsoffload.targets import LAYER_ATTR, unwrap_marking
+from hsoffload.tools.bench.policy_auto import Setup, as_config, make_model
+
+TINY = Setup(layers=2, hidden=32, intermediate=64, experts=2, moe_intermediate=16, heads=2, kv_heads=1, seq=16,
+             vocab=64)
+
+
+def _grads(config: str) -> list[torch.Tensor]:
+    model, _ = make_model(TINY, torch.device("cpu"))
+    ids = torch.randint(3, TINY.vocab, (1, TINY.seq), generator=torch.Generator().manual_seed(0))
+    with as_config(model, config):
+        if config == "checkpointing":
+            model(input_ids=ids, labels=ids).loss.backward()
+        else:
+            with hsoffload.offload_hidden_states(model, min_offload_size=0):
+                model(input_ids=ids, labels=ids).loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_as_config_changes_the_layers_for_the_step_only() -> None:
+    model, _ = make_model(TINY, torch.device("cpu"))
+    layers = list(model.model.layers)
+    funcs = [layer.__dict__[LAYER_ATTR] for layer in layers]
+    with as_config(model, "none"):
+        assert not any(layer.gradient_checkpointing for layer in layers)
+    assert all(layer.gradient_checkpointing for layer in layers)
+    with as_config(model, "sac_all"):
+        assert all(unwrap_marking(layer.__dict__[LAYER_ATTR]).keywords["context_fn"] is auto.SAC_CONTEXT
+                   for layer in layers)
+    assert all(layer.__dict__[LAYER_ATTR] is f for layer, f in zip(layers, funcs))
+    with pytest.raises(RuntimeError, match="inside"), as_config(model, "none"):
+        raise RuntimeError("inside")
+    assert all(layer.gradient_checkpointing for layer in layers)
+
+
+@pytest.mark.parametrize("config", ["none", "sac_all"])
+def test_a_guest_step_is_plain_checkpointings_bit_for_bit(config: str) -> None:
+    expected = _grads("checkpointing")
+    got = _grads(config)
+    assert all(g is not None for g in got) and len(got) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
