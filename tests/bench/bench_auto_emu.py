@@ -71,7 +71,8 @@ def main() -> int:
         found += bench.misses(result, name)
         print(bench.report(result, f"\n{name}: copy rate {rate / 1e6:.2f} MB/s (a layer's input {x_bytes / 2**10:.0f} "
                                    f"KiB, its forward {forward_s * 1e3:.1f} ms); picked on {args.pick_rounds} rounds "
-                                   f"(5 warm), compared on {args.compare_rounds} (up to 3x where undecided)"), flush=True)
+                                   f"(5 warm), compared on {args.compare_rounds} (up to 3x where undecided)"),
+              flush=True)
     if args.json:
         bench.save(args.json, results, found)
     for m in found:

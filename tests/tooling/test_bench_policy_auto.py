@@ -10,7 +10,7 @@ import torch
 import hsoffload
 from hsoffload.offload import auto
 from hsoffload.targets import LAYER_ATTR, unwrap_marking
-from hsoffload.tools.bench.policy_auto import Setup, as_config, make_model
+from hsoffload.tools.bench.policy_auto import Field, Setup, as_config, compare, make_model, undecided
 
 TINY = Setup(layers=2, hidden=32, intermediate=64, experts=2, moe_intermediate=16, heads=2, kv_heads=1, seq=16,
              vocab=64)
@@ -50,3 +50,52 @@ def test_a_guest_step_is_plain_checkpointings_bit_for_bit(config: str) -> None:
     got = _grads(config)
     assert all(g is not None for g in got) and len(got) == len(expected)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+class _Scripted:
+    """Stands in for a Runner in `compare`: each round's own step takes the next scripted time, the guest's 1.0;
+    every step is written down in order."""
+
+    def __init__(self, ratios: list[float]) -> None:
+        self._ratios = iter(ratios)
+        self.times: list[float] = []
+        self.rounds: list[int] = []
+        self.events: list[str] = []
+
+    def step(self, round_index: int) -> None:
+        self.times.append(next(self._ratios))
+        self.rounds.append(round_index)
+        self.events.append("own")
+
+    def run(self, config: str) -> tuple[float, int]:
+        self.events.append("guest")
+        return 1.0, 0
+
+    @property
+    def first(self) -> list[str]:
+        """Per round, which of the two steps ran first."""
+        return self.events[::2]
+
+
+def _field() -> Field:
+    field = Field.__new__(Field)  # no device: only the round counter is used by with_guest
+    field._round = 0
+    return field
+
+
+def test_compare_adds_rounds_only_where_the_goal_is_undecided() -> None:
+    decided, straddling = _Scripted([0.9] * 200), _Scripted([1.0, 1.06] * 100)
+    field = _field()
+    pairs = compare(field, [(decided, "checkpointing"), (straddling, "checkpointing")], rounds=15, most=45)
+    assert [len(p) for p in pairs] == [15, 45]  # 15, then 6 batches of 5
+    assert not undecided(pairs[0]) and undecided(pairs[1])
+    # every job's own rounds first: the added ones come after the decided job's
+    assert straddling.rounds[15] > max(decided.rounds)
+    # the order alternates by the field's round, across batches of odd sizes too
+    assert abs(straddling.first.count("own") - straddling.first.count("guest")) <= 1
+
+
+def test_compare_stops_at_the_deadline_with_what_it_has() -> None:
+    runner = _Scripted([1.0, 1.06] * 100)
+    assert compare(_field(), [(runner, "none")], rounds=30, most=90, deadline=0.0) == [[]]
+    assert [len(p) for p in compare(_field(), [(runner, "none")], rounds=30, most=12)] == [12]

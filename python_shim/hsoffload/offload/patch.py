@@ -312,7 +312,7 @@ def rebind_compiled_layers(model: torch.nn.Module, *, modules: Optional[Sequence
     rebound = 0
     for module in model.modules() if modules is None else modules:
         inner = module._modules.get("_orig_mod")  # torch.compile(layer) registers the layer as this submodule
-        if not isinstance(inner, cls) or not isinstance(module, torch.nn.Module):
+        if not isinstance(inner, cls):
             continue
         compiled_call = module.__dict__.get("_forward", module.__dict__.get("forward"))
         target = getattr(getattr(compiled_call, "_torchdynamo_orig_callable", None), "__func__", None)
