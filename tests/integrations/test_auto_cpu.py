@@ -187,3 +187,17 @@ def test_the_host_budget_bounds_what_sac_may_offload() -> None:
         hsoffload.set_host_budget("auto")  # process-wide: the next tests get the default back
     assert rows["roomy"][0] == (1 << 30) - 4 * SEQ * 64 * 4
     assert rows["inputs only"][0] == 0 and rows["inputs only"][1].counts()["sac"] == 0
+
+
+def test_a_probes_copy_time_is_its_fastest_round_trip() -> None:
+    """The link's speed is what a copy can reach: one copy slowed by the host (its thread waiting for a core, another
+    process's transfer) must not make the chooser see a slow link (a single slow sample once made sac look dearer
+    than recomputing on a busy CI machine). A scripted clock: the first round trip 40 ms out and back, the next
+    ones faster; each direction's fastest (1 ms out, 2 ms back), the slower of the two, is 2 ms."""
+    ticks = iter([0.0, 0.040, 0.080,  # round trip 1: 40 ms out, 40 ms back
+                  1.0, 1.001, 1.003,  # round trip 2: 1 ms out, 2 ms back
+                  2.0, 2.005, 2.008])  # round trip 3: 5 ms out, 3 ms back
+    x = torch.randn(16, 8)
+    assert auto.copy_time_s(x, lambda: next(ticks)) == pytest.approx(0.002)
+    ticks = iter([0.0, 0.040, 0.080])
+    assert auto.copy_time_s(x, lambda: next(ticks), repeats=1) == pytest.approx(0.040)  # one sample: the slow one

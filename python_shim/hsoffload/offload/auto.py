@@ -66,6 +66,7 @@ HISTORY = 1000  # steps kept in `history`
 DECISION_LOG = 100  # decisions kept in `decision_log`
 VERIFY_STEPS = 3  # a decision with sac: its first this many steps' median time is checked against the prediction
 TIME_SLACK = 0.10  # ... and sac's cost learned where that median passes the prediction by more than this share
+COPY_REPEATS = 3  # a probe's copy time: the fastest of this many round trips of the layer's input
 STATE_VERSION = 2  # of the file auto_state_path names (2: probes measure the projections)
 
 # The `sac` choice: a layer's projections (the linear layers' matmuls) offloaded by SAC, the rest recomputed. Absent
@@ -1022,16 +1023,7 @@ class AutoController:
             self.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
 
     def _copy_s(self, x: torch.Tensor) -> float:
-        """One direction of a copy of `x` to pinned host memory and back (the slower)."""
-        pin = x.device.type != "cpu"
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
-        back = torch.empty_like(x)
-        t0 = self._sync_time()
-        host.copy_(x.detach(), non_blocking=pin)
-        t1 = self._sync_time()
-        back.copy_(host, non_blocking=pin)
-        t2 = self._sync_time()
-        return max(t1 - t0, t2 - t1)
+        return copy_time_s(x, self._sync_time)
 
     def _probe(self, layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dict,
                run: Callable[..., Any]) -> _Probe:
@@ -1069,6 +1061,24 @@ class AutoController:
             layer.gradient_checkpointing = flag
         sac_bytes, projection_s = projections.measured() if projections is not None else (0, 0.0)
         return _Probe(sum(saved.values()), backward_s, self._copy_s(x), sac_bytes, projection_s)
+
+
+def copy_time_s(x: torch.Tensor, sync_time: Callable[[], float], repeats: int = COPY_REPEATS) -> float:
+    """One direction of a copy of `x` to pinned host memory and back (the slower), each direction the fastest of
+    `repeats` round trips: the link's speed is what the copies can reach; a copy measured while its thread waited
+    for a core (a busy host) or behind another process's transfer is slower, never faster."""
+    pin = x.device.type != "cpu"
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
+    back = torch.empty_like(x)
+    out_s, in_s = math.inf, math.inf
+    for _ in range(repeats):
+        t0 = sync_time()
+        host.copy_(x.detach(), non_blocking=pin)
+        t1 = sync_time()
+        back.copy_(host, non_blocking=pin)
+        t2 = sync_time()
+        out_s, in_s = min(out_s, t1 - t0), min(in_s, t2 - t1)
+    return max(out_s, in_s)
 
 
 @contextlib.contextmanager
