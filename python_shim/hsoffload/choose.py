@@ -180,7 +180,7 @@ def predict(costs: Sequence[LayerCost], choices: Sequence[Choice], lean_peak_byt
     set against its own compute (`LayerCost.extra_s`) and the fill is one copy."""
     window, ahead = (sac_window, 0) if depth is None else (depth + 1, max(0, depth - (sac_window - 1)))
     peak = (lean_peak_bytes + sum(c.held(x) for c, x in zip(costs, choices)) + window_bytes(costs, choices, window)
-            + ahead * _largest_restore(costs, choices))
+            + (ahead * _largest_restore(costs, choices) if ahead else 0))
     if depth is None:
         return peak, fixed_s + sum(c.extra_s(x) for c, x in zip(costs, choices)) + fill_s(costs, choices)
     return peak, fixed_s + pipeline_s(costs, choices, depth)

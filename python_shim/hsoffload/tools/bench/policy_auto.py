@@ -141,7 +141,6 @@ class Runner:
         self.others = 0  # the other runners' persistent bytes: set once every runner exists
         self.peaks: list[int] = []
         self.times: list[float] = []  # one per round this runner stepped in
-        self.rounds: list[int] = []
 
     def own_bytes(self) -> int:
         """The device bytes this runner keeps between steps (parameters, buffers, batch, AdamW's moments and step),
@@ -152,10 +151,10 @@ class Runner:
         return sum(-(-t.untyped_storage().nbytes() // 512) * 512 for t in tensors)
 
     def step(self, round_index: int) -> None:
-        """One step of this runner's own configuration, its time and peak recorded."""
+        """One step of this runner's own configuration, its time and peak recorded (`round_index`, the field's
+        round, is for runners that keep it: the comparison pairs by round itself, `Field.with_guest`)."""
         elapsed, peak = self.run(self.config)
         self.times.append(elapsed)
-        self.rounds.append(round_index)
         self.peaks.append(peak)
 
     def run(self, config: str) -> tuple[float, int]:
