@@ -56,6 +56,8 @@ class _Scripted:
     """Stands in for a Runner in `compare`: each round's own step takes the next scripted time, the guest's 1.0;
     every step is written down in order."""
 
+    config = "auto"
+
     def __init__(self, ratios: list[float]) -> None:
         self._ratios = iter(ratios)
         self.times: list[float] = []
@@ -99,3 +101,33 @@ def test_compare_stops_at_the_deadline_with_what_it_has() -> None:
     runner = _Scripted([1.0, 1.06] * 100)
     assert compare(_field(), [(runner, "none")], rounds=30, most=90, deadline=0.0) == [[]]
     assert [len(p) for p in compare(_field(), [(runner, "none")], rounds=30, most=12)] == [12]
+
+
+class _Host:
+    """Stands in for the fixed configurations' Runner in `Field.pick`: each guest step is written down."""
+
+    def __init__(self) -> None:
+        self.config = "checkpointing"
+        self.events: list[str] = []
+
+    def run(self, config: str) -> tuple[float, int]:
+        self.events.append(config)
+        return 1.0, len(config)
+
+
+def test_the_pick_runs_every_fixed_configuration_on_one_model() -> None:
+    """Every fixed configuration steps on the host's model (none on a model of its own), each round once, with the
+    other runners' own steps, in an order that changes from round to round."""
+    import random
+
+    host, auto_runner = _Host(), _Scripted([1.0] * 10)
+    field = _field()
+    field.runners, field._order = [host, auto_runner], random.Random(0)
+    configs = ["checkpointing", "offload_all", "none"]
+    samples = field.pick(host, configs, 6)
+    assert {c: len(s) for c, s in samples.items()} == {c: 6 for c in configs}
+    assert samples["none"][0] == (1.0, 4) and sorted(host.events) == sorted(configs * 6)
+    assert auto_runner.rounds == list(range(6))  # its own step every round, never as the host
+    orders = {tuple(host.events[3 * k:3 * k + 3]) for k in range(6)}
+    assert len(orders) > 1, orders
+    assert field.pick(host, configs, 6, deadline=0.0) == {c: [] for c in configs}

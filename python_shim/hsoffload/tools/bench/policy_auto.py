@@ -7,22 +7,25 @@ MoE (transformers' eager expert loop), AdamW. The fixed configurations: checkpoi
 the leanest configuration's peak and the peak without checkpointing, `policy="auto", device_budget=B` against the
 fastest fixed configuration whose peak fits B.
 
-Every configuration keeps its own model on the device and they step in turn, one step each per round in a new order
-every round, so that a shared machine's slow spells fall on all of them alike; a step's peak is the device's less
-the other configurations' bytes (each runner's parameters and optimizer states, made at creation). Two phases:
+The runners (a model, its optimizer and batch each) stay on the device side by side: one for the fixed
+configurations and one per budget for auto; a step's peak is the device's less the other runners' bytes (each
+runner's parameters and optimizer states, made at creation). Every round steps them in a new order, so that a shared
+machine's slow spells fall on all of them alike. Two phases:
 
-1. **pick** (`pick_rounds`, the first `warm` not counted: auto calibrates and decides there): every configuration;
-   their peaks, and per budget the fastest fixed configuration that fits (median step);
+1. **pick** (`pick_rounds`, the first `warm` not counted: auto calibrates and decides there): every fixed
+   configuration one step **on one model** (`Field.pick`, `as_config`: two models of one configuration measured up
+   to 5 % apart here, their memory placed differently, so a pick over separate models would rank the models too),
+   and every auto runner its own; their peaks, and per budget the fastest fixed configuration that fits (median
+   step);
 2. **compare** (`compare_rounds` per budget, fresh samples: a pick and a comparison on the same samples would hold
    auto to the minimum of many noisy medians, below any one configuration's own): per budget, auto's runner alone,
    each round one step of auto and one of the picked configuration **on auto's own model** (`as_config`; every
    configuration's gradients are plain checkpointing's, so the model goes where it would anyway),
    adjacent in time and in alternating order; the median over rounds of auto's step over the picked one's in the
-   same round, with a distribution-free 90 % interval of that median (rounds taken as independent). One model for
-   both: two identical configurations on two models measured up to 5 % apart here (the models' memory placed
-   differently), more than the goal. Where the interval holds the goal (these rounds cannot tell it met from
-   missed), rounds are added, a third at a time, up to 3x, once every budget has had its own (`compare`): one rule
-   on both sides of the goal; the verdict is the median's.
+   same round, with a distribution-free 90 % interval of that median (rounds taken as independent). Where the
+   interval holds the goal (these rounds cannot tell it met from missed), rounds are added, a third at a time, up
+   to 3x, once every budget has had its own (`compare`): one rule on both sides of the goal; the verdict is the
+   median's.
 
 Goals (issue 39): auto's peak under the budget over every step, calibration included; auto's paired median step
 within GOAL (3 %) of the fastest fixed configuration that fits, or faster.
@@ -223,6 +226,25 @@ class Field:
             self._round += 1
         return n
 
+    def pick(self, host: Runner, configs: list[str], n: int,
+             deadline: Optional[float] = None) -> dict[str, list[tuple[float, int]]]:
+        """`n` rounds: each of `configs` one step on host's model (`Runner.run`: one model for all, so that a
+        configuration is not ranked by its model's own speed), every other runner its own step, in a new order every
+        round; stops early past `deadline`. Returns each configuration's (step time, peak) per round."""
+        samples: dict[str, list[tuple[float, int]]] = {c: [] for c in configs}
+        steps: list[tuple[Optional[Runner], str]] = [(None, c) for c in configs]
+        steps += [(r, r.config) for r in self.runners if r is not host]
+        for _ in range(n):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            for runner, config in self._order.sample(steps, len(steps)):  # no step always follows another
+                if runner is None:
+                    samples[config].append(host.run(config))
+                else:
+                    runner.step(self._round)
+            self._round += 1
+        return samples
+
     def with_guest(self, a: Runner, config: str, n: int, deadline: Optional[float] = None) -> list[tuple[float, float]]:
         """`n` rounds of a's own step and one of `config` on a's model (`Runner.run`), adjacent in time (a slow
         spell falls on both), in alternating order (neither always runs after the other), on the same parameters,
@@ -290,18 +312,18 @@ def side_by_side(setup: Setup, device: torch.device, *, sac: bool = True, pick_r
     del probe
     gc.collect()
     budgets = [int(lean + f * (none - lean)) for f in fractions]
-    field = Field(setup, device, [(n, None) for n in names] + [("auto", b) for b in budgets])
-    fixed = {r.config: r for r in field.runners if r.config != "auto"}
-    autos = [r for r in field.runners if r.config == "auto"]
-    picked_rounds = field.rounds(pick_rounds, deadline=deadline)
-    picked = {n: {"peak": max(r.peaks), "step_s": statistics.median(r.times[warm:] or r.times)}
-              for n, r in fixed.items()}  # the pick's own samples
+    field = Field(setup, device, [("checkpointing", None)] + [("auto", b) for b in budgets])
+    host, autos = field.runners[0], field.runners[1:]
+    samples = field.pick(host, names, pick_rounds, deadline=deadline)
+    picked_rounds = min(len(s) for s in samples.values())
+    picked = {n: {"peak": max(p for _, p in s), "step_s": statistics.median([t for t, _ in s[warm:] or s])}
+              for n, s in samples.items() if s}  # the pick's own samples
     rows = []
     for a in autos:
         assert a.budget is not None
         timed = {n: x["step_s"] for n, x in picked.items() if x["peak"] <= a.budget}
-        rows.append({"budget": a.budget, "auto": a, "best": fixed[min(timed, key=timed.__getitem__)] if timed else None})
-    jobs = [(row["auto"], row["best"].config) for row in rows if row["best"] is not None]
+        rows.append({"budget": a.budget, "auto": a, "best": min(timed, key=timed.__getitem__) if timed else None})
+    jobs = [(row["auto"], row["best"]) for row in rows if row["best"] is not None]
     compared = iter(compare(field, jobs, compare_rounds, most_compare_rounds or 3 * compare_rounds, deadline))
     out_rows = []
     for row in rows:
@@ -312,7 +334,7 @@ def side_by_side(setup: Setup, device: torch.device, *, sac: bool = True, pick_r
         out_rows.append({
             "budget": row["budget"], "choices": a.choices(), "decisions": a.decisions(), "auto_peak": max(a.peaks),
             "auto_step_s": statistics.median([x for x, _ in pairs] or [math.nan]),
-            "best": b.config if b else None, "best_peak": max(b.peaks) if b else None,
+            "best": b, "best_peak": picked[b]["peak"] if b else None,
             "best_step_s": statistics.median([y for _, y in pairs]) if pairs else None,
             "ratio": statistics.median(ratios) if ratios else math.nan, "ratio_90": (lo, hi), "pairs": len(ratios)})
     return {"fixed": picked,
