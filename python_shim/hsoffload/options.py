@@ -82,7 +82,8 @@ class PolicyName(str, Enum):
 
 
 # Option kinds: how a value is checked, typed in C++ and pydantic, and spelled in YAML.
-INT, BOOL, FLOAT, BYTES, BYTES_OR_AUTO, PATH, POLICY = "int", "bool", "float", "bytes", "bytes_or_auto", "path", "policy"
+INT, BOOL, FLOAT, BYTES, BYTES_OR_AUTO, PATH, FILE, POLICY = (
+    "int", "bool", "float", "bytes", "bytes_or_auto", "path", "file", "policy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +143,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("auto_calibration_steps", INT, 2, "policy auto: steps run with every layer offloaded, measuring, before "
            "the first decision", minimum=1, maximum=100),
     Option("auto_report_only", BOOL, False, "policy auto: decide and log, but keep every layer offloaded"),
-    Option("auto_state_path", PATH, None, "policy auto: a JSON file its measurements are saved to at each decision "
+    Option("auto_state_path", FILE, None, "policy auto: a JSON file its measurements are saved to at each decision "
            "and read from by a run that starts with it (same model, rank and world: no calibration); {rank} is "
            "replaced by the rank (null: not saved; the Trainer integration uses <output_dir>/hsoffload_auto/)",
            nullable=True),
@@ -198,7 +199,13 @@ def allowed(option: Option) -> str:
     """What the option accepts, in words (error messages, the Axolotl keys)."""
     kind = option.kind
     if kind == INT:
-        words = "a non-negative int" if option.minimum == 0 else "an int"
+        low, high = option.minimum, option.maximum
+        if low is not None and high is not None:
+            words = f"an int from {int(low):,} to {int(high):,}"
+        elif low is not None:
+            words = "a non-negative int" if low == 0 else f"an int >= {int(low):,}"
+        else:
+            words = "an int" if high is None else f"an int <= {int(high):,}"
     elif kind == FLOAT:
         words = f"a number from {option.minimum:g} to {option.maximum:g}"
     else:
@@ -207,10 +214,9 @@ def allowed(option: Option) -> str:
             BYTES: "an int >= 0 (bytes) or a size such as 24GiB",
             BYTES_OR_AUTO: "auto, an int >= 0 (bytes) or a size such as 64GiB",
             PATH: "a directory path",
+            FILE: "a file path (a template: {rank} is replaced by the rank)",
             POLICY: ", ".join(p.value for p in list(PolicyName)[:-1]) + " or " + list(PolicyName)[-1].value,
         }[kind]
-    if option.kind == INT and option.maximum is not None:
-        words += f" and <= {int(option.maximum):,}"
     return ("null or " + words) if option.nullable else words
 
 
@@ -229,7 +235,7 @@ def validate(option: Option, value: Any, what: Optional[str] = None) -> Any:
         if not isinstance(value, int) or isinstance(value, bool) or (option.minimum is not None and value < option.minimum):
             raise ValueError(f"hsoffload: {what} must be {allowed(option)}, got {value!r}")
         if option.maximum is not None and value > option.maximum:
-            raise ValueError(f"hsoffload: {what} must be at most {int(option.maximum):,}, got {value}")
+            raise ValueError(f"hsoffload: {what} must be {allowed(option)}, got {value}")
         return value
     if kind == FLOAT:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
@@ -243,9 +249,9 @@ def validate(option: Option, value: Any, what: Optional[str] = None) -> Any:
         if parsed == "auto" and kind == BYTES:
             raise ValueError(f"hsoffload: {what} must be bytes (an int or a string like '8GiB'), got 'auto'")
         return parsed
-    if kind == PATH:
+    if kind in (PATH, FILE):
         if not isinstance(value, (str, os.PathLike)) or not str(value):
-            raise ValueError(f"hsoffload: {what} must be a directory path or None, got {value!r}")
+            raise ValueError(f"hsoffload: {what} must be {allowed(option)}, got {value!r}")
         return os.fspath(value)
     if kind == POLICY:  # stored as the plain string (YAML/JSON dump it); its behaviour: PolicyName(value)
         return value if callable(value) else PolicyName.parse(value).value

@@ -93,6 +93,7 @@ def _pydantic_field(option: options.Option) -> tuple[Any, Any]:
 
     kind = {
         options.INT: StrictInt, options.BOOL: StrictBool, options.FLOAT: float, options.PATH: StrictStr,
+        options.FILE: StrictStr,
         options.BYTES: Union[StrictInt, StrictStr], options.BYTES_OR_AUTO: Union[StrictInt, StrictStr],
         options.POLICY: Literal[tuple(p.value for p in options.PolicyName)],
     }[option.kind]

@@ -37,6 +37,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import math
@@ -53,6 +54,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .._logging import log_once
 from ..choose import SAC_WINDOW, Choice, Decision, LayerCost, choose, predict, prefetch_depths
 from ..targets import LAYER_ATTR, unwrap_marking
+from .calibration import Shape, agreed_bucket, bucket_of, quadratic_attention
 from .ranks import Ranks
 
 logger = logging.getLogger("hsoffload")
@@ -61,13 +63,13 @@ BUDGET_FRACTION = 0.95  # without device_budget: at most this share of the devic
 HEADROOM_FRACTION = 0.02  # without device_budget: this share of the device left free beside what the process holds
 # outside the allocator (measured at the decision: the CUDA context, communicators' buffers, other processes)
 PROBE_GUESS = 24  # a probe runs only if this many times the layer's input still fits under the budget
-BUCKET = 1.25  # a longer batch calibrates for at least this many times the longest calibrated (variable lengths)
 HISTORY = 1000  # steps kept in `history`
 DECISION_LOG = 100  # decisions kept in `decision_log`
 VERIFY_STEPS = 3  # a decision with sac: its first this many steps' median time is checked against the prediction
 TIME_SLACK = 0.10  # ... and sac's cost learned where that median passes the prediction by more than this share
 COPY_REPEATS = 3  # a probe's copy time: the fastest of this many round trips of the layer's input
-STATE_VERSION = 2  # of the file auto_state_path names (2: probes measure the projections)
+STATE_VERSION = 3  # of the file auto_state_path names (2: probes measure the projections; 3: buckets by shape)
+RESTORE_TOLERANCE = 0.02  # a saved bucket is reused where its first step measures its figures within this share
 
 # The `sac` choice: a layer's projections (the linear layers' matmuls) offloaded by SAC, the rest recomputed. Absent
 # (None) on torch releases without CheckpointPolicy.MUST_CPU_OFFLOAD: then the choice is never offered.
@@ -283,6 +285,31 @@ def _first_tensor(out: Any) -> Optional[torch.Tensor]:
     return getattr(out, "last_hidden_state", None)
 
 
+def _attention_implementation(layer: torch.nn.Module) -> Optional[str]:
+    """The attention implementation a decoder layer's config names (transformers' `_attn_implementation`), None where
+    none of its modules has a config."""
+    for module in layer.modules():
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if isinstance(impl, str):
+            return impl
+    return None
+
+
+def _shape(layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> Shape:
+    """The shape of the batch whose first decoder layer input is `x` (batch, length, hidden): what policy auto
+    calibrates and scales by, the attention being quadratic where the layer's implementation or a 4-D mask among
+    its inputs says so."""
+    length = int(x.shape[-2]) if x.dim() >= 2 else 1
+    batch = x.numel() // max(1, int(x.shape[-1]) * length)
+    tensors = []
+    for v in (*args[1:], *kwargs.values()):
+        if isinstance(v, (tuple, list)):
+            tensors.extend(t for t in v[:8] if isinstance(t, torch.Tensor))
+        elif isinstance(v, torch.Tensor):
+            tensors.append(v)
+    return Shape(batch, length, quadratic_attention(_attention_implementation(layer), tensors))
+
+
 @dataclasses.dataclass
 class _Probe:
     held_none: int  # bytes (math.inf-like huge: never leave unchekpointed)
@@ -290,6 +317,45 @@ class _Probe:
     copy_s: float
     sac_bytes: int = 0  # the projections' outputs its recompute reads (0: the sac choice not offered)
     projection_s: float = 0.0
+
+
+@dataclasses.dataclass
+class Bucket:
+    """The measurements and the decision of one shape bucket (hsoffload.offload.calibration): every figure scaled
+    up to the bucket's top shape from the shape it was measured at."""
+
+    shape: Shape  # the bucket's top: what its decision is made for
+    calibrated: int = 0  # calibration steps done
+    probes: dict[tuple, "_Probe"] = dataclasses.field(default_factory=dict)  # per layer kind
+    probe_shape: Optional[Shape] = None  # the batch the probes ran at
+    forward_s: dict[int, float] = dataclasses.field(default_factory=dict)  # per layer index (last calibration step)
+    forward_shape: Optional[Shape] = None
+    held_keep: dict[int, int] = dataclasses.field(default_factory=dict)  # per layer index, at forward_shape
+    # The lean step's forward-and-backward peak above what the step started with, scaled to `shape`: the most of
+    # its calibration steps without a probe (the probe's step where it is the only one)
+    lean_increase: Optional[int] = None
+    lean_probed: bool = True  # lean_increase comes from a step with a probe
+    lean_forwards: int = 1  # forwards before one backward in the step lean_increase was measured in
+    lean_step_s: Optional[float] = None
+    probe_step_increase: Optional[int] = None  # the probe's step's increase (scaled): a restored file's check
+    decision: Optional[Decision] = None
+    costs: list[LayerCost] = dataclasses.field(default_factory=list)
+    decided_start_bytes: int = 0  # what steps started with when the decision was made
+    reason: str = ""  # why the decision was made
+    fresh: Optional[tuple[int, bool, int]] = None  # the step the allocator's cache was last given back at
+    verify: list[float] = dataclasses.field(default_factory=list)  # the decision's first steps' times (sac)
+    # Measurements read from auto_state_path, applied once the bucket's first lean step matches them
+    restored: Optional[dict[str, Any]] = None
+    stale: Optional[str] = None  # why the decision is to be made again (None: it stands)
+    decision_index: int = 0  # the controller's decision count when this bucket's decision was made
+    measured_decision: int = -1  # the decision_index whose first step was measured
+
+    @property
+    def tokens(self) -> int:
+        return self.shape.tokens
+
+    def ready(self, calibration_steps: int) -> bool:
+        return self.lean_increase is not None and self.calibrated >= calibration_steps
 
 
 NEVER = 1 << 62  # held bytes of a choice that must never be taken
@@ -318,35 +384,38 @@ class AutoController:
         self.calibration_steps = calibration_steps
         self.report_only = report_only
         self.state_path = state_path  # auto_state_path: measurements saved at each decision, read at the first step
+        # False: the file is written, never read (the Trainer integration's default path in a run that does not
+        # resume: an earlier run's file in the same folder is not this run's)
+        self.restore_state = True
+        self._model_ref = weakref.ref(model)
         self.restored: Optional[str] = None  # the file the measurements came from, when a run started with them
         self._state_read = False
         self.pins: dict[str, Choice] = {}
         self.memory: Optional[DeviceMemory] = None
-        self.tokens = 0  # the longest batch the costs are for (tokens of a layer's input; grows by BUCKET at least)
-        self.calibrated = 0  # calibration steps done for `tokens`
-        self.probes: dict[tuple, _Probe] = {}
-        self.probe_tokens = 0  # the batch the probes ran at
-        self.forward_s: dict[int, float] = {}  # per layer index, measured in the last calibration step
-        self.forward_tokens = 0
-        self.held_keep: dict[int, int] = {}  # per layer index, at forward_tokens
-        self.lean_increase: Optional[int] = None  # the lean step's peak above what the step started with (scaled)
-        self.lean_step_s: Optional[float] = None
+        # The measurements and decision of each shape bucket (hsoffload.offload.calibration); `bucket` is the one
+        # the step in progress runs in.
+        self.buckets: dict[Shape, Bucket] = {}
+        self.bucket = Bucket(Shape(0, 0, True))
         self.start_bytes = 0  # device bytes steps start with (weights, optimizer states, ...): the most of the last
         # optimizer step's micro-batches and this one's
         self._cycle_starts = (0, 0)  # the most micro-batches started with: the last optimizer step's, this one's
         self.optimizer_steps = 0  # steps of optimizers holding this model's parameters (torch.optim's hook)
         self._optimizer_steps_seen = 0
-        self.decided_start_bytes = 0  # ... when the decision was made
         self.forwards = 1  # forwards seen before one backward (several: each holds what the decision keeps)
+        # The most the step after the backward's first layer (the embedding's gradient, the optimizer's step, up to
+        # the next step's first layer) passed what its step started with, where it passed the forward and backward's
+        # peak: a floor of every step's peak that no decision changes
+        self.tail_increase = 0
+        self.peak_read = 0  # the largest whole-step peak read (the Trainer integration reports it)
+        self._since_reset = 0  # the most predicted for the steps since auto last reset the device's peak counter
+        self._urgent: Optional[str] = None  # a reason to decide at the next micro-batch, mid optimizer step too
+        self._adopt: Optional[tuple[Shape, bool]] = None  # a restored bucket checked by the step that ended: matched?
+        self._restored: dict[str, dict[str, Any]] = {}  # auto_state_path's buckets by key, until first used
         self.margin = 0  # bytes added to every predicted peak; grows by each overshoot seen
         # The allocator's reserved peak above its allocated peak in the last calibration step (the cache's blocks
         # not in use, fragmentation): room taken from the budget, which bounds what the device gives the process
         self.allocator_gap = 0
-        self._fresh: Optional[tuple[int, bool, int]] = None  # the step the allocator's cache was last given back at
-        self.decision: Optional[Decision] = None
-        self.costs: list[LayerCost] = []
         self.decisions = 0
-        self.reason = ""  # why the last decision was made
         self.replans = 0
         # Every decision's choices (a letter a layer) and why it was made, the last DECISION_LOG
         self.decision_log: "collections.deque[str]" = collections.deque(maxlen=DECISION_LOG)
@@ -365,18 +434,45 @@ class AutoController:
         # What sac steps took beyond the model, per layer kind, in seconds per token (learned from decided steps:
         # only grows, so a decision dropped for it does not come back)
         self.sac_extra_per_token: dict[tuple, float] = {}
-        self._verify: list[float] = []  # the running decision's first steps' times (decisions with sac)
+
+    # The running bucket's figures, by the names they had before buckets (read by the Trainer integration, tests)
+    @property
+    def decision(self) -> Optional[Decision]:
+        return self.bucket.decision
+
+    @property
+    def costs(self) -> list[LayerCost]:
+        return self.bucket.costs
+
+    @property
+    def reason(self) -> str:
+        return self.bucket.reason
+
+    @property
+    def tokens(self) -> int:
+        """The tokens of the running bucket's top shape (what its decision is for)."""
+        return self.bucket.tokens
 
     @property
     def lean_peak(self) -> Optional[int]:
-        """The leanest choice's predicted peak now: what steps start with, plus the lean step's increase."""
-        return None if self.lean_increase is None else self.start_bytes + self.lean_increase
+        """The leanest choice's predicted peak now, in the running bucket: what steps start with, plus the lean
+        step's increase for the forwards a step runs."""
+        increase = self._lean_increase(self.bucket)
+        return None if increase is None else self.start_bytes + increase
+
+    def _lean_increase(self, bucket: Bucket) -> Optional[int]:
+        """`bucket`'s lean increase for the forwards steps run before one backward (each holds its own head and
+        loss: counted whole, an upper bound)."""
+        if bucket.lean_increase is None:
+            return None
+        forwards = max(self.forwards, bucket.lean_forwards)
+        return math.ceil(bucket.lean_increase * forwards / bucket.lean_forwards)
 
     @property
     def predicted_peak(self) -> Optional[int]:
         """The decision's predicted peak for a step that starts with what steps started with when it was made (the
         margin included); None before a decision."""
-        return None if self.decision is None else self.decision.peak_bytes + self.margin
+        return None if self.bucket.decision is None else self.bucket.decision.peak_bytes + self.margin
 
     @property
     def layers(self) -> list[tuple[str, torch.nn.Module]]:
@@ -396,11 +492,12 @@ class AutoController:
         if self.memory is None:
             self._bind_device(x.device)
         if i == 0:
-            if self._step is not None and self._step["hooked"] and "t1" not in self._step:
+            if self._step is not None and self._step["hooks"] > 0 and "t1" not in self._step:
                 self._another_forward(scope)  # a forward before the last one's backward: one step, two graphs
             else:
-                self._new_step(scope, x)
-            if x.requires_grad:  # the step's measurements end when backward has passed the first layer
+                self._new_step(scope, x, _shape(layer, x, args, kwargs))
+            if x.requires_grad:  # the step's measurements end when backward has passed every forward's first layer
+                self._step["hooks"] += 1
                 x.register_hook(self._first_layer_backward_done)
             else:
                 log_once("auto-no-grad-input", logging.INFO,
@@ -412,9 +509,9 @@ class AutoController:
             self._time_previous_layer(i)
             if self._step["probe"]:
                 self._maybe_probe(layer, i, x, args, kwargs, run)
-                self.probe_tokens = self._step["tokens"]
-            self.held_keep[i] = x.numel() * x.element_size()
-            self.forward_tokens = self._step["tokens"]
+                self.bucket.probe_shape = self._step["shape"]
+            self.bucket.held_keep[i] = x.numel() * x.element_size()
+            self.bucket.forward_shape = self._step["shape"]
             self.memory.synchronize_compute()
             self._layer_t0 = (i, time.perf_counter())
 
@@ -439,7 +536,7 @@ class AutoController:
     def _time_previous_layer(self, i: int) -> None:
         if self._layer_t0 is not None and self._layer_t0[0] == i - 1:
             self.memory.synchronize_compute()
-            self.forward_s[i - 1] = time.perf_counter() - self._layer_t0[1]
+            self.bucket.forward_s[i - 1] = time.perf_counter() - self._layer_t0[1]
         self._layer_t0 = None
 
     # -- steps ----------------------------------------------------------------------------------------------------
@@ -450,39 +547,61 @@ class AutoController:
 
     def _another_forward(self, scope: Any) -> None:
         """A forward whose first layer runs before the previous forward's backward reached it (two losses, one
-        backward): both hold what the decision keeps. Counted; a decision for one forward is made again for them (at
-        once in one process; at the next micro-batch on several ranks, which decide together: no collective here)."""
-        assert self._step is not None and self.ranks is not None
+        backward): each holds what its choices keep. A decision is never changed between the forwards of one step:
+        a forward beyond those the decision was made for runs the leanest choice the ranks can run apart (one
+        process: every layer offloaded; several: the decision's `none` layers stay, every other layer offloads, so
+        that every rank recomputes the same layers), and the next micro-batch decides for the forwards seen (on
+        every rank: the wish is agreed there)."""
+        assert self._step is not None
         self._step["forwards"] += 1
-        if self._step["forwards"] <= self.forwards:
+        if self._step["forwards"] > self.forwards:
+            self.forwards = self._step["forwards"]
+            log_once("auto-forwards", logging.INFO, "hsoffload: policy auto: %d forwards before one backward: each "
+                     "holds what the decision keeps, and the decisions count them", self.forwards)
+        if self._step["forwards"] <= self._step["planned_forwards"] or self._step["unplanned"]:
             return
-        self.forwards = self._step["forwards"]
-        log_once("auto-forwards", logging.INFO, "hsoffload: policy auto: %d forwards before one backward: each holds "
-                 "what the decision keeps, and the decision counts them", self.forwards)
-        if self.decision is None:
-            return
-        if self.ranks.size > 1:
-            self._pending = f"{self.forwards} forwards before one backward"
-        else:
-            self._decide(f"{self.forwards} forwards before one backward")
-            self._step["decision"] = self.decision
+        self._step["unplanned"] = True
+        if self._step["decided"]:
+            self._urgent = f"{self.forwards} forwards before one backward"
+            for b in self.buckets.values():
+                if b.decision is not None:
+                    b.stale = b.stale or self._urgent
+            logger.info("hsoffload: policy auto: forward %d of a step whose decision was made for %d: it runs every "
+                        "checkpointed layer offloaded, and the next micro-batch decides for %d", self._step["forwards"],
+                        self._step["planned_forwards"], self.forwards)
             self._apply(scope)
 
     def _first_layer_backward_done(self, grad: torch.Tensor) -> None:
-        """The gradient of the first layer's input: every layer's backward ran. The step's peak and time are read
-        here, before the optimizer step and the next batch (whose own peaks the decision does not move)."""
-        if self._step is not None and "t1" not in self._step:
-            self._mark(self._step, "t1")
-            self._step["peak"] = self.memory.peak()
-            self._step["reserved"] = self.memory.reserved_peak()
+        """The gradient of a forward's first layer input: once every forward's has come, every layer's backward ran.
+        The step's forward-and-backward peak and time are read here, before the embedding's gradient and the
+        optimizer's step (their peak is read at the optimizer's step: `at_optimizer_step`)."""
+        step = self._step
+        if step is None or "t1" in step:
+            return
+        step["hooks"] -= 1
+        if step["hooks"] > 0:
+            return
+        self._mark(step, "t1")
+        step["peak"] = self.memory.peak()
+        step["reserved"] = self.memory.reserved_peak()
 
-    def _new_step(self, scope: Any, x: torch.Tensor) -> None:
-        """A micro-batch starts: the last one is recorded; a decision is made when one is due, at an optimizer step's
-        first micro-batch (micro-batches of one step share a decision) unless the running one no longer fits."""
+    def at_optimizer_step(self) -> None:
+        """An optimizer holding this model's parameters stepped: the step's whole peak (the embedding's gradient and
+        the optimizer's step included) is read now."""
+        step = self._step
+        if step is not None and "t1" in step and self.memory is not None:
+            step["whole"] = self.memory.peak()
+
+    def _new_step(self, scope: Any, x: torch.Tensor, shape: Shape) -> None:
+        """A micro-batch starts: the last one is recorded; it runs in its shape's bucket (on several ranks, the
+        largest of the ranks' buckets), calibrating where the bucket is not measured yet and with the bucket's
+        decision otherwise. A bucket's first decision is made once it is calibrated; a decision made again (a
+        measurement changed) waits for an optimizer step's first micro-batch (micro-batches of one step share a
+        decision) unless the running one no longer fits."""
         assert self.ranks is not None and self.memory is not None
         reason = self._end_step() if self._step is not None else None
         reason, self._pending = reason or self._pending, None
-        local_tokens = tokens = x.numel() // max(1, x.shape[-1])
+        urgent, self._urgent = self._urgent, None
         start = int(self.memory.allocated() or 0)
         boundary = _optimizer_steps.at_boundary(self)
         # Decisions count what steps start with at the most over the last optimizer step's micro-batches (the later
@@ -494,67 +613,106 @@ class AutoController:
         self.start_bytes = max(self._cycle_starts)
         if not self._state_read:
             self._state_read = True
-            reason = self._restore() or reason
-        if (reason is None and self.decision is not None and not self.report_only
-                and self.start_bytes > self.decided_start_bytes + 0.01 * self.budget):
-            reason = (f"steps now start with {(self.start_bytes - self.decided_start_bytes) / 2**20:.1f} MiB more on "
-                      "the device (the optimizer's states, gradients, or another model)")
+            self._read_state()
+        local = bucket_of(shape)
+        mine = self.buckets.get(local)
+        if (reason is None and mine is not None and mine.decision is not None and not self.report_only
+                and self.start_bytes > mine.decided_start_bytes + 0.01 * self.budget):
+            reason = (f"steps now start with {(self.start_bytes - mine.decided_start_bytes) / 2**20:.1f} MiB more "
+                      "on the device (the optimizer's states, gradients, or another model)")
         # 0: nothing to decide; 1: a decision is due (at the next optimizer step); 2: the running one does not fit.
-        want = 0 if reason is None else 1
-        if reason is not None and self.decision is not None and self.decision.fits and (
-                self.predicted_peak + self.allocator_gap + start - self.decided_start_bytes > self.budget):
+        want = 0 if reason is None and urgent is None else 1
+        if urgent is not None or (reason is not None and mine is not None and mine.decision is not None
+                                  and mine.decision.fits and self._predicted_at(mine, start) > self.budget):
             want = 2
-        ready = True
-        if self.ranks.size > 1:  # one collective per micro-batch on every rank: tokens, wishes, the step boundary
-            tokens, want_any, boundary, ready = self._agree_step(tokens, want, boundary)
+        adopt = self._adopt
+        self._adopt = None
+        target, adopt_ok = local, adopt is not None and adopt[1]
+        if self.ranks.size > 1:  # one collective per micro-batch on every rank: buckets, wishes, the step boundary
+            target, want_any, boundary, adopt_ok = self._agree_step(local, want, boundary, adopt)
             if want_any > want:
                 reason = reason or "another rank's measurements changed (its peak, its start bytes or its calibration)"
                 want = int(want_any)
-        if tokens > self.tokens:
-            ceiling = tokens if not self.tokens else max(tokens, math.ceil(self.tokens * BUCKET))
-            if self.tokens:
-                logger.info("hsoffload: policy auto: a batch of %d tokens, longer than the %d the decision is for: "
-                            "this step runs every layer offloaded and calibrates again, for up to %d tokens", tokens,
-                            self.tokens, ceiling)
-            self.tokens, self.calibrated, self.decision, self.lean_increase = ceiling, 0, None, None
-            self.probes.clear()
-            reason = None
-        if reason is not None and ready and self.lean_increase is not None and self.calibrated >= self.calibration_steps:
-            if boundary or want == 2:
-                self._decide(reason)
-            else:
-                self._pending = reason  # kept for the next optimizer step's first micro-batch
-        decided = self.decision is not None
+        reason = reason or urgent
+        if reason is not None:  # a changed measurement, budget or pin: every bucket's decision is made again
+            for b in self.buckets.values():
+                if b.decision is not None:
+                    b.stale = b.stale or reason
+        if adopt is not None:
+            self._settle_restored(self.buckets[adopt[0]], adopt_ok)
+        self._enter(target, shape)
+        b = self.bucket
+        if b.ready(self.calibration_steps):
+            if b.decision is None:
+                self._decide(b.stale or "calibrated")
+            elif b.stale is not None and (boundary or want == 2):
+                self._decide(b.stale)
+        decided = b.decision is not None
+        # Measured steps (the device's peak counter reset at their start): calibration, a decision's first step in
+        # its bucket. Other steps leave the counter alone, so that an outer reader (the Trainer's memory metrics, a
+        # user's max_memory_allocated) sees their peaks too; they are verified by the counter's running maximum.
+        measured = not decided or b.measured_decision != b.decision_index
         # The reserved peak must be the lean step's or the decision's own, not a cache an earlier step left (the
         # probe's, or a decision that held more): the last calibration step and a decision's first step start with
         # the allocator's cache given back.
-        fresh = (self.decisions, decided, self.calibrated)
-        if (decided or self.calibrated == self.calibration_steps - 1) and fresh != self._fresh:
-            self._fresh = fresh
+        fresh = (b.decision_index, decided, b.calibrated)
+        if (decided or b.calibrated == self.calibration_steps - 1) and fresh != b.fresh:
+            b.fresh = fresh
             self.memory.empty_cache()
-        self._step = {"tokens": local_tokens, "decided": decided, "probe": not decided and not self.probes,
-                      "decision": self.decision, "hooked": x.requires_grad, "forwards": 1, "start": start,
+        self._step = {"shape": shape, "bucket": b, "decided": decided, "probe": not decided and not b.probes,
+                      "decision": b.decision, "hooks": 0, "forwards": 1, "planned_forwards": self.forwards,
+                      "unplanned": False, "start": start, "measured": measured,
                       "predicted": self.predicted_peak, "index": self.decisions}
         self._apply(scope)
-        self.memory.reset_peak()
+        if measured:
+            b.measured_decision = b.decision_index
+            self.memory.reset_peak()
+            self._since_reset = 0
         self._mark(self._step, "t0")
 
-    def _agree_step(self, tokens: int, want: int, boundary: bool) -> tuple[int, int, bool, bool]:
-        """The ranks' one collective per micro-batch (at its first layer): the longest batch, the strongest wish to
-        decide (0 none, 1 due, 2 the running decision no longer fits), whether every rank is at an optimizer step's
-        first micro-batch and ready to decide (calibrated). Raises on every rank if their models or controller states
-        differ (their next collectives would not match: a hang)."""
+    def _predicted_at(self, bucket: Bucket, start: int) -> int:
+        """`bucket`'s decision's predicted peak for a step that starts with `start` bytes (the margin and the
+        allocator's gap included)."""
+        assert bucket.decision is not None
+        return bucket.decision.peak_bytes + self.margin + self.allocator_gap + start - bucket.decided_start_bytes
+
+    def _enter(self, target: Shape, shape: Shape) -> None:
+        """Run the coming step in bucket `target` (made, or taken from the restored file, at first use)."""
+        b = self.buckets.get(target)
+        if b is None:
+            b = Bucket(target)
+            restored = self._restored.pop(target.key(), None)
+            if restored is not None:
+                b.restored = restored
+            self.buckets[target] = b
+            if len(self.buckets) > 1 or target != shape:
+                logger.info("hsoffload: policy auto: a batch of shape %dx%d%s: calibrating for its bucket, up to "
+                            "%dx%d (%d calibrating steps)", shape.batch, shape.length,
+                            " (quadratic attention)" if shape.quadratic else "", target.batch, target.length,
+                            self.calibration_steps)
+        self.bucket = b
+
+    def _agree_step(self, local: Shape, want: int, boundary: bool,
+                    adopt: Optional[tuple[Shape, bool]]) -> tuple[Shape, int, bool, bool]:
+        """The ranks' one collective per micro-batch (at its first layer): the bucket (the largest batch, length
+        and attention of the ranks'), the strongest wish to decide (0 none, 1 due, 2 the running decision no longer
+        fits), whether every rank is at an optimizer step's first micro-batch, and whether every rank's check of a
+        restored bucket passed. Raises on every rank if their models or controller states differ (their next
+        collectives would not match: a hang)."""
         assert self.ranks is not None
-        ready = self.lean_increase is not None and self.calibrated >= self.calibration_steps
-        state = zlib.crc32(repr(([n for n, _ in self.layers], self.tokens, self.calibrated, self.decisions,
-                                 len(self.probes))).encode())
-        (longest, want_any, not_boundary, not_ready), same = self.ranks.max_and_same(
-            [tokens, want, 0.0 if boundary else 1.0, 0.0 if ready else 1.0], [state])
+        state = zlib.crc32(repr(([n for n, _ in self.layers], sorted(
+            (k.key(), b.calibrated, b.decision is not None, len(b.probes)) for k, b in self.buckets.items()),
+            self.decisions, adopt[0].key() if adopt else None)).encode())
+        failed = 1.0 if adopt is not None and not adopt[1] else 0.0
+        agreed, same = self.ranks.max_and_same(
+            [local.batch, local.length, 1.0 if local.quadratic else 0.0, want, 0.0 if boundary else 1.0, failed],
+            [state])
         if not same:
             raise RuntimeError("hsoffload: policy auto: the ranks' models or auto states differ (decoder layers, the "
-                               "tokens calibrated for, calibration steps, decisions or probes): every rank must run the "
+                               "buckets calibrated, calibration steps, decisions or probes): every rank must run the "
                                "same model through the same steps, forward and backward, for one decision to hold")
-        return int(longest), int(want_any), not_boundary == 0, not_ready == 0
+        target = agreed_bucket(agreed[:3])
+        return target, int(agreed[3]), agreed[4] == 0, agreed[5] == 0
 
     def _mark(self, step: dict[str, Any], key: str) -> None:
         """A time stamp of `step`: in a decided step an event on the compute stream where the device's events time
@@ -580,49 +738,51 @@ class AutoController:
     def _end_step(self) -> Optional[str]:
         """Records the step that ended; returns why to decide again (None: the decision stands)."""
         step = self._step
-        assert step is not None
+        assert step is not None and self.memory is not None
+        b: Bucket = step["bucket"]
         if not step["decided"] and self._layer_t0 is not None:
             self._layer_t0 = None  # the last layer's forward: measured as the others' mean below
+        self._step = None
         if "t1" not in step:
-            if step["hooked"]:  # no backward reached the first layer (a forward only, or another graph): not a step
-                self._step = None
+            if step["hooks"] > 0:  # no backward reached the first layer (a forward only, or another graph): not a step
                 return None
             self._mark(step, "t1")  # no hook possible: up to this step's start
             step["peak"] = self.memory.peak()
             step["reserved"] = self.memory.reserved_peak()
         peak, reserved = step["peak"], step.get("reserved")
+        whole = step.get("whole", peak)  # with the optimizer's step, where a torch optimizer stepped
+        if peak is None:
+            return None
+        whole = max(whole, peak)
+        self.peak_read = max(self.peak_read, whole)
+        if step["measured"]:  # the step after the backward's first layer, where it passed the rest of the step
+            self.tail_increase = whole - step["start"] if whole > peak else 0
         measured_s = self._elapsed(step["t0"], step["t1"])
         decision: Optional[Decision] = step["decision"]
-        predicted = step["predicted"] + step["start"] - self.decided_start_bytes if decision else None
-        rec = StepRecord(step["tokens"], step["decided"], predicted, peak, decision.step_s if decision else None,
-                         measured_s, step["index"] if decision else 0, reserved)
+        predicted = step["predicted"] + step["start"] - b.decided_start_bytes if decision else None
+        rec = StepRecord(step["shape"].tokens, step["decided"], predicted, whole, decision.step_s if decision else
+                         None, measured_s, step["index"] if decision else 0, reserved)
         self.history.append(rec)
-        self._step = None
         if not step["decided"]:
-            # What the lean step added to what it started with, at the tokens the decision is for: bytes that grow
-            # with the length counted as growing with its square (attention without a fused kernel), time linearly.
-            f = self.tokens / max(1, step["tokens"])
-            self.calibrated += 1
-            increase = math.ceil((peak - step["start"]) * f * f)
-            self.lean_increase = max(self.lean_increase or 0, increase) if self.calibrated > 1 else increase
-            self.lean_step_s = measured_s * f
-            if reserved is not None and peak is not None:
-                self.allocator_gap = max(0, reserved - peak)
-            return "calibrated" if self.calibrated >= self.calibration_steps else None
-        if decision is None or peak is None:
+            return self._calibrated(b, step, peak, measured_s, reserved)
+        if decision is None or step["unplanned"]:  # more forwards than decided for: decided again, not verified
             return None
         self.decided_steps += 1
-        if self.decided_steps == 1 or peak > rec.predicted_peak_bytes:
+        # The running maximum since auto last reset the counter: against the most predicted since then
+        floor = step["start"] + self.tail_increase
+        self._since_reset = max(self._since_reset, predicted, floor)
+        if self.decided_steps == 1 or whole > self._since_reset:
             logger.info("hsoffload: policy auto: step measured %.1f MiB peak (predicted %.1f, budget %.1f), %.1f ms "
-                        "(predicted %.1f)", peak / 2**20, rec.predicted_peak_bytes / 2**20, self.budget / 2**20,
+                        "(predicted %.1f)", whole / 2**20, self._since_reset / 2**20, self.budget / 2**20,
                         measured_s * 1e3, decision.step_s * 1e3)
         over = 0
-        if peak > rec.predicted_peak_bytes:
-            over = peak - rec.predicted_peak_bytes
+        if whole > self._since_reset:
+            over = whole - self._since_reset
             self.margin += over
+            self._since_reset = whole
             if step["predicted"] + over + self.allocator_gap > self.budget:
                 self.replans += 1
-                return f"the measured peak {peak / 2**20:.1f} MiB passed the prediction by {over / 2**20:.1f} MiB"
+                return f"the measured peak {whole / 2**20:.1f} MiB passed the prediction by {over / 2**20:.1f} MiB"
         if reserved is not None and reserved - self.budget > over and decision.fits:
             # What the allocator reserved passed the budget by more than the lent bytes' overshoot (now in the
             # margin): fragmentation beyond the gap measured; the gap grows by the rest and the decision is made again
@@ -633,6 +793,34 @@ class AutoController:
                     "(its cache and fragmentation)")
         return self._verify_sac(decision, step["index"], measured_s)
 
+    def _calibrated(self, b: Bucket, step: dict[str, Any], peak: int, measured_s: float,
+                    reserved: Optional[int]) -> Optional[str]:
+        """A calibration step of bucket `b` ended: its lean increase and time, scaled up to the bucket's top from
+        the shape it ran at (bytes that grow with the length counted as growing with its square where attention is
+        quadratic, times linearly). The lean increase is the most of the bucket's calibration steps without a probe
+        (the probe's step holds the probe's own tensors for a while), or the probe's step's where it is the only one."""
+        act, linear = b.shape.factors(step["shape"])
+        b.calibrated += 1
+        forwards = step["forwards"]
+        increase = math.ceil((peak - step["start"]) * act)
+        probed = bool(step["probe"])
+        if probed:
+            b.probe_step_increase = increase
+        if b.lean_increase is None or (b.lean_probed and not probed):
+            b.lean_increase, b.lean_forwards, b.lean_probed = increase, forwards, probed
+        elif probed == b.lean_probed:
+            top = max(forwards, b.lean_forwards)
+            b.lean_increase = max(math.ceil(increase * top / forwards),
+                                  math.ceil(b.lean_increase * top / b.lean_forwards))
+            b.lean_forwards = top
+        b.lean_step_s = measured_s * linear
+        if reserved is not None:
+            self.allocator_gap = max(0, reserved - peak)
+        if b.restored is not None:
+            self._adopt = (b.shape, self._matches_restored(b))
+            return None
+        return "calibrated" if b.calibrated >= self.calibration_steps else None
+
     def _verify_sac(self, decision: Decision, index: int, measured_s: float) -> Optional[str]:
         """A decision with sac: the median of its first VERIFY_STEPS steps against the prediction. sac's cost is the
         one the model does not see whole (the selective checkpoint's dispatch runs on every op of the layer, in
@@ -641,10 +829,10 @@ class AutoController:
         if (self.report_only or Choice.SAC not in decision.choices or index != self.decisions
                 or not math.isfinite(measured_s)):
             return None
-        self._verify.append(measured_s)
-        if len(self._verify) != VERIFY_STEPS:
+        self.bucket.verify.append(measured_s)
+        if len(self.bucket.verify) != VERIFY_STEPS:
             return None
-        measured = sorted(self._verify)[VERIFY_STEPS // 2]
+        measured = sorted(self.bucket.verify)[VERIFY_STEPS // 2]
         if measured <= decision.step_s * (1 + TIME_SLACK):
             return None
         sac = [k for k, c in enumerate(decision.choices) if c is Choice.SAC]
@@ -659,61 +847,73 @@ class AutoController:
     # -- the decision ---------------------------------------------------------------------------------------------
 
     def _decide(self, why: str) -> None:
-        assert self.lean_increase is not None and self.lean_step_s is not None
+        """The running bucket's decision, from its measurements scaled up to its top shape (made on every rank at
+        once: the costs and rooms agreed)."""
+        b = self.bucket
+        assert b.lean_increase is not None and b.lean_step_s is not None
         # A layer's forward time: the mean over the layers of its kind (alike layers cost alike, whatever the timer's
         # noise; the decision then lays them out canonically, as the planner does).
         layers = self.layers
         kinds = [_signature(layer) for _, layer in layers]
         by_kind: dict[tuple, list[float]] = {}
         for k, kind in enumerate(kinds):
-            if k in self.forward_s:
-                by_kind.setdefault(kind, []).append(self.forward_s[k])
+            if k in b.forward_s:
+                by_kind.setdefault(kind, []).append(b.forward_s[k])
         known = [t for ts in by_kind.values() for t in ts]
         mean_fwd = sum(known) / len(known) if known else 0.0
-        # At the tokens the decision is for: times linear in the tokens, bytes held quadratic for a probe (attention
-        # without a fused kernel) and linear for a layer's input; each forward in flight holds its own.
-        fp = self.tokens / max(1, self.probe_tokens)
-        ff = self.tokens / max(1, self.forward_tokens)
+        # At the bucket's top shape: a probe's bytes by the activations' factor (length squared where attention is
+        # quadratic), a layer's input and times by the tokens'; each forward in flight holds its own.
+        pa, pl = b.shape.factors(b.probe_shape or b.shape)
+        _, fl = b.shape.factors(b.forward_shape or b.shape)
+        forwards = self.forwards
         costs = []
         for k, ((name, _), kind) in enumerate(zip(layers, kinds)):
-            probe = self.probes.get(kind)
+            probe = b.probes.get(kind)
             times = by_kind.get(kind)
             fwd = sum(times) / len(times) if times else mean_fwd
             held_none = probe.held_none if probe else NEVER
             costs.append(LayerCost(
-                name=name, held_none=held_none if held_none >= NEVER else math.ceil(held_none * fp * fp * self.forwards),
-                held_keep=math.ceil(self.held_keep.get(k, NEVER) * ff * self.forwards) if k in self.held_keep else NEVER,
-                forward_s=fwd * ff, backward_s=(probe.backward_s * fp) if probe else 2 * fwd * ff,
-                copy_s=(probe.copy_s * fp) if probe else 0.0,
+                name=name, held_none=held_none if held_none >= NEVER else math.ceil(held_none * pa * forwards),
+                held_keep=math.ceil(b.held_keep[k] * fl * forwards) if k in b.held_keep else NEVER,
+                forward_s=fwd * fl, backward_s=(probe.backward_s * pl) if probe else 2 * fwd * fl,
+                copy_s=(probe.copy_s * pl) if probe else 0.0,
                 # per step like held_keep (each forward in flight copies its own); 0 where the layer's checkpoint can
                 # no longer take the selective context (restored measurements, a function changed since the probe)
-                sac_bytes=math.ceil(probe.sac_bytes * fp * self.forwards) if probe and self._selective_offered(
+                sac_bytes=math.ceil(probe.sac_bytes * pl * forwards) if probe and self._selective_offered(
                     layers[k][1]) else 0,
-                projection_s=(probe.projection_s * fp) if probe else 0.0,
-                sac_extra_s=self.sac_extra_per_token.get(kind, 0.0) * self.tokens))
+                projection_s=(probe.projection_s * pl) if probe else 0.0,
+                sac_extra_s=self.sac_extra_per_token.get(kind, 0.0) * b.tokens))
         lean = [Choice.OFFLOAD] * len(layers)
         lean_depth = self.sac_window - 1  # the configured prefetch depth, the calibration's
         _, lean_s = predict(costs, lean, 0, 0.0, self.sac_window, lean_depth)
-        fixed_s = self.lean_step_s - lean_s  # the step without any layer's extra: what the lean step measured, less
+        fixed_s = b.lean_step_s - lean_s  # the step without any layer's extra: what the lean step measured, less
         lean_peak = self.lean_peak
+        assert lean_peak is not None
         if self.budget_arg is None:
             self._default_budget()
         room = self.budget - self.margin - self.allocator_gap - lean_peak
         host_room = self._host_room(costs)
         costs, fixed_s, room, host_room = self._agree(costs, fixed_s, room, host_room)
-        self.costs = costs
-        self.decided_start_bytes = self.start_bytes
+        b.costs = costs
+        b.decided_start_bytes = self.start_bytes
         # the agreed window: the ranks' deepest configured prefetch (one set of depths everywhere)
-        self.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins, self.sac_window, host_room,
-                               prefetch_depths=prefetch_depths(self.sac_window - 1))
+        b.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins, self.sac_window, host_room,
+                            prefetch_depths=prefetch_depths(self.sac_window - 1))
+        if self.start_bytes + self.tail_increase > self.budget:
+            log_once("auto-tail-over", logging.WARNING, "hsoffload: policy auto: the step after backward (the "
+                     "embedding's gradient, the optimizer's step) reached %.1f MiB, over the %.1f MiB budget: no "
+                     "choice of the decoder layers brings it under", (self.start_bytes + self.tail_increase) / 2**20,
+                     self.budget / 2**20)
         self.decisions += 1
-        self.reason = why
-        self.decision_log.append(f"{''.join(str(c)[0] for c in self.decision.choices)} ({why})")
-        self._verify = []
+        b.decision_index = self.decisions
+        b.stale = None
+        b.reason = why
+        self.decision_log.append(f"{''.join(str(c)[0] for c in b.decision.choices)} ({why}; {b.shape.key()})")
+        b.verify = []
         self._save()
-        logger.info("hsoffload: policy auto, decision %d (%s; %d tokens; margin %.1f MiB)%s:\n%s", self.decisions,
-                    why, self.tokens, self.margin / 2**20, " REPORT ONLY, every layer offloaded" if self.report_only
-                    else "", self.decision.table(costs))
+        logger.info("hsoffload: policy auto, decision %d (%s; bucket %s, %d tokens; margin %.1f MiB)%s:\n%s",
+                    self.decisions, why, b.shape.key(), b.tokens, self.margin / 2**20,
+                    " REPORT ONLY, every layer offloaded" if self.report_only else "", b.decision.table(costs))
 
     def _selective_offered(self, layer: torch.nn.Module) -> bool:
         """Whether sac can be applied to `layer` now: its checkpoint is ready, or the selective one is installed."""
@@ -762,6 +962,10 @@ class AutoController:
         return path
 
     def _identity(self) -> dict[str, Any]:
+        """What a saved file must match to be reused: the model's layers and kinds, and what sets a layer's
+        activation bytes beside the shape (attention implementation, parameter and autocast dtypes, the classes
+        inside the layers and the model's loss: a fused kernel or loss swaps them), the world, rank, device and the
+        torch and transformers releases. The micro-batch and sequence length are the buckets' keys."""
         assert self.ranks is not None and self.memory is not None
         device = self.memory.device
         name = getattr(getattr(torch, device.type, None), "get_device_name", None)
@@ -769,25 +973,54 @@ class AutoController:
             device_name = str(name(device)) if name is not None and device.type != "cpu" else device.type
         except RuntimeError:
             device_name = device.type
-        return {"version": STATE_VERSION, "layers": [n for n, _ in self.layers],
-                "kinds": [repr(_signature(m)) for _, m in self.layers], "world": self.ranks.size,
-                "rank": self.ranks.rank, "device": device_name}
+        layers = self.layers
+        inside = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for _, layer in layers
+                         for m in layer.modules()})
+        dtypes = sorted({str(p.dtype) for _, layer in layers for p in layer.parameters()})
+        try:
+            autocast = (str(torch.get_autocast_dtype(device.type))
+                        if torch.is_autocast_enabled(device.type) else "off")
+        except (RuntimeError, TypeError, AttributeError):
+            autocast = "unknown"
+        model = self._model_ref()
+        loss = getattr(model, "loss_function", None) if model is not None else None
+        try:
+            import transformers  # noqa: PLC0415  (only its version)
+
+            tf_version = transformers.__version__
+        except ImportError:
+            tf_version = "none"
+        return {"version": STATE_VERSION, "layers": [n for n, _ in layers],
+                "kinds": [repr(_signature(m)) for _, m in layers], "world": self.ranks.size,
+                "rank": self.ranks.rank, "device": device_name,
+                "attention": sorted({str(_attention_implementation(m)) for _, m in layers}),
+                "dtypes": dtypes, "autocast": autocast, "inside": inside,
+                "model": f"{type(model).__module__}.{type(model).__qualname__}" if model is not None else None,
+                "loss": getattr(loss, "__qualname__", type(loss).__qualname__) if loss is not None else None,
+                "torch": torch.__version__, "transformers": tf_version}
 
     def _save(self) -> None:
         path = self.state_file()
         if path is None:
             return
-        kinds = {repr(k): k for k in self.probes}
-        state = {**self._identity(), "tokens": self.tokens, "calibrated": self.calibrated,
-                 "probe_tokens": self.probe_tokens, "forward_tokens": self.forward_tokens, "forwards": self.forwards,
-                 "margin": self.margin, "lean_increase": self.lean_increase, "lean_step_s": self.lean_step_s,
-                 "allocator_gap": self.allocator_gap,
-                 "forward_s": {str(k): v for k, v in self.forward_s.items()},
-                 "held_keep": {str(k): v for k, v in self.held_keep.items()},
-                 "probes": {r: dataclasses.asdict(self.probes[k]) for r, k in kinds.items()},
+        buckets = {}
+        for shape, b in self.buckets.items():
+            if not b.ready(self.calibration_steps):
+                continue
+            kinds = {repr(k): k for k in b.probes}
+            buckets[shape.key()] = {
+                "calibrated": b.calibrated, "probe_shape": b.probe_shape.key() if b.probe_shape else None,
+                "forward_shape": b.forward_shape.key() if b.forward_shape else None,
+                "lean_increase": b.lean_increase, "lean_forwards": b.lean_forwards, "lean_probed": b.lean_probed,
+                "probe_step_increase": b.probe_step_increase, "lean_step_s": b.lean_step_s,
+                "forward_s": {str(k): v for k, v in b.forward_s.items()},
+                "held_keep": {str(k): v for k, v in b.held_keep.items()},
+                "probes": {r: dataclasses.asdict(b.probes[k]) for r, k in kinds.items()},
+                "choices": [c.value for c in b.decision.choices] if b.decision else None}
+        state = {**self._identity(), "forwards": self.forwards, "margin": self.margin,
+                 "allocator_gap": self.allocator_gap, "tail_increase": self.tail_increase,
                  "sac_extra_per_token": {repr(k): v for k, v in self.sac_extra_per_token.items()},
-                 "decisions": self.decisions,
-                 "choices": [c.value for c in self.decision.choices] if self.decision else None}
+                 "decisions": self.decisions, "buckets": buckets}
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             tmp = f"{path}.tmp{os.getpid()}"
@@ -800,13 +1033,14 @@ class AutoController:
             log_once(f"auto-save-{path}", logging.WARNING, "hsoffload: policy auto could not save its measurements "
                      "to %s (%s): a restarted run calibrates again", path, exc)
 
-    def _restore(self) -> Optional[str]:
-        """At the first step: the saved measurements, if the file matches this model, rank and world (on every
-        rank, or on none). Returns the reason to decide, or None (calibrate)."""
+    def _read_state(self) -> None:
+        """At the first step: the saved measurements, if the file's identity matches this run's (on every rank, or
+        on none). They are a cache, not the truth: a bucket's first step still runs the leanest choice with its
+        probes, and the saved figures are used only where that step measures what they say (`_matches_restored`)."""
         assert self.ranks is not None
         path = self.state_file()
-        if path is None:
-            return None
+        if path is None or not self.restore_state:
+            return
         state: Optional[dict[str, Any]] = None
         why = ""
         try:
@@ -820,39 +1054,95 @@ class AutoController:
             expected = self._identity()
             differ = [k for k in expected if state.get(k) != expected[k]]
             if differ:
-                why = f"it was saved for another {', '.join(differ)}"
+                why = "it was saved for another " + ", ".join(
+                    f"{k} ({state.get(k)!r}, here {expected[k]!r})" if k not in ("layers", "kinds", "inside") else k
+                    for k in differ)
                 state = None
         ok = state is not None
         if self.ranks.size > 1:  # every rank reuses a file saved at the same decision, or none does
-            saved = zlib.crc32(repr([state.get(k) for k in ("decisions", "tokens", "calibrated")]).encode()) if ok else 0
+            saved = zlib.crc32(repr([state.get("decisions"), sorted(state.get("buckets", {}))]).encode()) if ok else 0
             (low,), same = self.ranks.min_and_same([1.0 if ok else 0.0], [saved])
             ok = low > 0 and same
             if not ok and state is not None:
                 why = "another rank has no matching file, or one saved at another decision"
         if not ok:
             logger.info("hsoffload: policy auto: calibrating (%s not reused: %s)", path, why)
-            return None
+            return
         assert state is not None
         kinds = {repr(_signature(m)): _signature(m) for _, m in self.layers}
-        self.tokens, self.probe_tokens = int(state["tokens"]), int(state["probe_tokens"])
-        self.forward_tokens = int(state["forward_tokens"])
-        self.calibrated = max(int(state["calibrated"]), self.calibration_steps)
-        self.forwards, self.margin = int(state["forwards"]), int(state["margin"])
-        self.allocator_gap = int(state.get("allocator_gap", 0))
-        self.lean_increase, self.lean_step_s = int(state["lean_increase"]), float(state["lean_step_s"])
-        self.forward_s = {int(k): float(v) for k, v in state["forward_s"].items()}
-        self.held_keep = {int(k): int(v) for k, v in state["held_keep"].items()}
-        self.probes = {kinds[r]: _Probe(**p) for r, p in state["probes"].items() if r in kinds}
+        self.forwards = max(self.forwards, int(state["forwards"]))
+        self.margin = max(self.margin, int(state["margin"]))
+        self.allocator_gap = max(self.allocator_gap, int(state.get("allocator_gap", 0)))
+        self.tail_increase = max(self.tail_increase, int(state.get("tail_increase", 0)))
         self.sac_extra_per_token = {kinds[r]: float(v) for r, v in state.get("sac_extra_per_token", {}).items()
                                     if r in kinds}
+        self._restored = dict(state["buckets"])
         self.restored = path
-        logger.info("hsoffload: policy auto: measurements of %d tokens read from %s: no calibration", self.tokens, path)
-        return f"measurements read from {path}"
+        logger.info("hsoffload: policy auto: measurements of %d bucket(s) read from %s: each is checked by one step "
+                    "with every layer offloaded before its decision is made from them", len(self._restored), path)
+
+    def _matches_restored(self, b: Bucket) -> bool:
+        """Whether bucket `b`'s first step (every layer offloaded, probed) measured what its saved figures say: the
+        probe step's increase and every probe's bytes within RESTORE_TOLERANCE (a layer that now saves more, a
+        kernel the identity cannot see, another machine's allocator: measured again instead)."""
+        saved = b.restored
+        assert saved is not None
+
+        def near(now: float, then: float) -> bool:
+            return abs(now - then) <= RESTORE_TOLERANCE * max(abs(then), 1.0)
+
+        kinds = {repr(k): p for k, p in b.probes.items()}
+        why = ""
+        if saved.get("probe_step_increase") is None or not near(b.probe_step_increase or 0,
+                                                                 saved["probe_step_increase"]):
+            why = (f"the lean step's increase {(b.probe_step_increase or 0) / 2**20:.2f} MiB, saved "
+                   f"{(saved.get('probe_step_increase') or 0) / 2**20:.2f}")
+        elif set(kinds) != set(saved["probes"]):
+            why = "other layer kinds were probed"
+        else:
+            for r, p in kinds.items():
+                then = saved["probes"][r]
+                if not (near(p.held_none, then["held_none"]) and near(p.sac_bytes, then["sac_bytes"])):
+                    why = (f"a layer without checkpointing holds {p.held_none / 2**20:.2f} MiB, saved "
+                           f"{then['held_none'] / 2**20:.2f}")
+                    break
+        if why:
+            logger.info("hsoffload: policy auto: the saved measurements of bucket %s are not reused (%s): "
+                        "calibrating", b.shape.key(), why)
+        return not why
+
+    def _settle_restored(self, b: Bucket, ok: bool) -> None:
+        """Apply bucket `b`'s saved figures where every rank's check passed (each byte figure the larger of the saved
+        and the measured one), or calibrate it on."""
+        saved, b.restored = b.restored, None
+        if not ok or saved is None:
+            return
+        kinds = {repr(k): k for k in b.probes}
+        measured = b.probe_step_increase or 0
+        b.lean_increase = int(saved["lean_increase"]) + max(0, measured - int(saved["probe_step_increase"]))
+        b.lean_forwards, b.lean_probed = int(saved["lean_forwards"]), bool(saved["lean_probed"])
+        b.lean_step_s = float(saved["lean_step_s"])
+        b.probe_shape = Shape.parse(saved["probe_shape"]) if saved.get("probe_shape") else b.probe_shape
+        b.forward_shape = Shape.parse(saved["forward_shape"]) if saved.get("forward_shape") else b.forward_shape
+        b.forward_s = {int(k): float(v) for k, v in saved["forward_s"].items()}
+        b.held_keep = {int(k): max(int(v), b.held_keep.get(int(k), 0)) for k, v in saved["held_keep"].items()}
+        for r, p in saved["probes"].items():
+            now = b.probes[kinds[r]]
+            b.probes[kinds[r]] = dataclasses.replace(
+                _Probe(**p), held_none=max(int(p["held_none"]), now.held_none),
+                sac_bytes=max(int(p["sac_bytes"]), now.sac_bytes))
+        b.calibrated = max(b.calibrated, self.calibration_steps)
+        b.stale = f"measurements read from {self.restored}"
+        logger.info("hsoffload: policy auto: bucket %s's first step measured what %s says: its saved measurements "
+                    "are used", b.shape.key(), self.restored)
 
     def request(self, why: str) -> None:
         """Decide again (after calibration) for what the user changed (a budget, pins): at once in one process; on
         several ranks at the next micro-batch's start, where they all decide."""
-        if self.lean_increase is None or self.calibrated < self.calibration_steps:
+        for b in self.buckets.values():
+            if b.decision is not None:
+                b.stale = b.stale or why
+        if not self.bucket.ready(self.calibration_steps):
             return
         if self.ranks is None or self.ranks.size > 1:
             self._pending = why
@@ -896,11 +1186,12 @@ class AutoController:
 
     def report(self) -> str:
         """The last decision: why it was made, and its table (empty before the first)."""
-        if self.decision is None:
+        if self.bucket.decision is None:
             return ""
-        return (f"policy auto, decision {self.decisions} ({self.reason}; {self.tokens} tokens)"
+        return (f"policy auto, decision {self.decisions} ({self.bucket.reason}; bucket {self.bucket.shape.key()}, "
+                f"{self.tokens} tokens)"
                 f"{' REPORT ONLY, every layer offloaded' if self.report_only else ''}:\n"
-                f"{self.decision.table(self.costs)}")
+                f"{self.bucket.decision.table(self.bucket.costs)}")
 
     def log_values(self) -> dict[str, float]:
         """Numbers for a trainer's logs (`hsoffload/auto_*`): the layers per choice run now, the decisions made, the
@@ -910,9 +1201,12 @@ class AutoController:
         for c in self.choices():
             values[f"auto_{c.value}_layers"] += 1
         values["auto_decisions"] = float(self.decisions)
-        values["auto_fits"] = float(self.decision is not None and self.decision.fits)
+        values["auto_fits"] = float(self.bucket.decision is not None and self.bucket.decision.fits)
         values["auto_budget_gib"] = (self.budget or 0) / gib
         values["auto_prefetch_depth"] = float(self.prefetch_depth())
+        values["auto_buckets"] = float(len(self.buckets))
+        # the largest whole-step peak auto read (auto resets the device's peak counter at the steps it measures)
+        values["auto_peak_read_gib"] = self.peak_read / gib
         last = next((r for r in reversed(self.history) if r.decided), None)
         if last is not None:
             values["auto_predicted_peak_gib"] = (last.predicted_peak_bytes or 0) / gib
@@ -923,15 +1217,20 @@ class AutoController:
 
     def choices(self) -> list[Choice]:
         """What each layer runs with now."""
-        if self.decision is None or self.report_only:
+        if self.bucket.decision is None or self.report_only:
             return [Choice.OFFLOAD] * len(self.layers)  # calibration (the lean baseline), or report only
-        return list(self.decision.choices)
+        if self._step is not None and self._step["unplanned"]:
+            # a forward beyond those the decision was made for: the leanest the ranks can run apart
+            if self.ranks is not None and self.ranks.size > 1:
+                return [c if c is Choice.NONE else Choice.OFFLOAD for c in self.bucket.decision.choices]
+            return [Choice.OFFLOAD] * len(self.layers)
+        return list(self.bucket.decision.choices)
 
     def prefetch_depth(self) -> int:
         """The prefetch depth run now: the decision's, or the configured one (calibration, report only)."""
-        if self.decision is None or self.report_only or self.decision.prefetch_depth is None:
+        if self.bucket.decision is None or self.report_only or self.bucket.decision.prefetch_depth is None:
             return self.sac_window - 1
-        return self.decision.prefetch_depth
+        return self.bucket.decision.prefetch_depth
 
     def _apply(self, scope: Any) -> None:
         tracker = scope.layer_tracker
@@ -987,7 +1286,7 @@ class AutoController:
     def _maybe_probe(self, layer: torch.nn.Module, i: int, x: torch.Tensor, args: tuple, kwargs: dict,
                      run: Callable[..., Any]) -> None:
         sig = _signature(layer)
-        if sig in self.probes:
+        if sig in self.bucket.probes:
             return
         nbytes = x.numel() * x.element_size()
         allocated = self.memory.allocated()
@@ -1006,11 +1305,11 @@ class AutoController:
             logger.info("hsoffload: policy auto: %s is not probed without checkpointing (it might not fit the budget): "
                         "it stays checkpointed", self.layers[i][0])
         if sharded or not fits:
-            self.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
+            self.bucket.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
             return
         out_of_memory = False
         try:
-            self.probes[sig] = self._probe(layer, x, args, kwargs, run)
+            self.bucket.probes[sig] = self._probe(layer, x, args, kwargs, run)
         except torch.OutOfMemoryError:
             out_of_memory = True
         except RuntimeError as exc:  # other backends raise a plain RuntimeError
@@ -1020,7 +1319,7 @@ class AutoController:
         if out_of_memory:  # outside the handler: the partial forward's tensors are gone with its traceback
             logger.info("hsoffload: policy auto: %s ran out of memory without checkpointing: it stays checkpointed",
                         self.layers[i][0])
-            self.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
+            self.bucket.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
 
     def _copy_s(self, x: torch.Tensor) -> float:
         return copy_time_s(x, self._sync_time)
@@ -1043,7 +1342,7 @@ class AutoController:
         flag = layer.gradient_checkpointing
         layer.gradient_checkpointing = False
         try:
-            with _forked_rng(x.device), _no_output_capture(), torch.enable_grad():
+            with _forked_rng(x.device), _no_output_capture(layer), torch.enable_grad():
                 probe_x = x.detach().requires_grad_(True)
                 probe_args = (probe_x,) + tuple(args[1:]) if args else ()
                 probe_kwargs = kwargs if args else {**kwargs, "hidden_states": probe_x}
@@ -1094,24 +1393,44 @@ def _forked_rng(device: torch.device) -> Iterator[None]:
             yield
 
 
+def _is_capture_wrapper(fn: Any) -> bool:
+    """transformers 4.5x's `check_model_inputs` output recorder: a function it sets as a module's `forward` for the
+    model call (identified by its own module and name, never by an attribute it answers)."""
+    return (inspect.isfunction(fn) and getattr(fn, "__module__", None) == "transformers.utils.generic"
+            and fn.__qualname__.endswith("make_capture_wrapper.<locals>.wrapped_forward"))
+
+
 @contextlib.contextmanager
-def _no_output_capture() -> Iterator[None]:
-    """transformers >= 5 collects hidden states, attentions and router logits through hooks into the model call's
-    collector: the probe's forward must not add to it (a second router-logits entry, a graph freed twice)."""
+def _no_output_capture(layer: torch.nn.Module) -> Iterator[None]:
+    """The probe's forward must not add to the model call's collected outputs (a second router-logits entry, a
+    graph freed twice, a hidden state more): transformers >= 5 collects through the call's collector (switched off
+    here); 4.5x's `check_model_inputs` wraps the forwards of the decoder layer and the modules in it (unwrapped here,
+    for `layer`'s modules only, and put back after)."""
+    unwrapped = []
+    for module in layer.modules():
+        fn = module.__dict__.get("forward")
+        if fn is not None and _is_capture_wrapper(fn):
+            unwrapped.append((module, fn))
+            module.__dict__["forward"] = fn.__wrapped__
     try:
-        from transformers.utils import output_capturing
-    except ImportError:
-        yield
-        return
-    collector = getattr(output_capturing, "_active_collector", None)
-    if collector is None:
-        yield
-        return
-    token = collector.set(None)
-    try:
-        yield
+        collector = None
+        try:
+            from transformers.utils import output_capturing
+
+            collector = getattr(output_capturing, "_active_collector", None)
+        except ImportError:
+            pass
+        if collector is None:
+            yield
+            return
+        token = collector.set(None)
+        try:
+            yield
+        finally:
+            collector.reset(token)
     finally:
-        collector.reset(token)
+        for module, fn in unwrapped:
+            module.__dict__["forward"] = fn
 
 
 class _OptimizerSteps:
@@ -1128,6 +1447,7 @@ class _OptimizerSteps:
         for ctl in list(_controllers.values()):
             if any(id(p) in held for _, layer in ctl.layers for p in layer.parameters()):
                 ctl.optimizer_steps += 1
+                ctl.at_optimizer_step()
 
     def at_boundary(self, ctl: AutoController) -> bool:
         """Whether `ctl`'s micro-batch starting now is an optimizer step's first: its model's optimizer stepped since
