@@ -134,14 +134,19 @@ class _TrainerOffload:
 
 def _keep_auto_state(scope: OffloadScope, trainer: Any) -> None:
     """Policy auto without auto_state_path: its measurements are kept in <output_dir>/hsoffload_auto/ (one file per
-    rank), so that a run resumed there decides at once, as the run it resumes did."""
+    rank). Every run writes them; only a run that resumes (the trainer's state past step 0 at its first step) reads
+    them, so that a fresh run in the same folder never decides from an earlier run's file (another model, length or
+    attention)."""
     auto = scope.auto
     output_dir = getattr(getattr(trainer, "args", None), "output_dir", None)
     if auto is None or auto.state_path is not None or not output_dir:
         return
     auto.state_path = os.path.join(output_dir, "hsoffload_auto", "rank{rank}.json")
-    logger.info("hsoffload: policy auto keeps its measurements in %s (auto_state_path): a resumed run reuses them",
-                auto.state_path)
+    resumed = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0) > 0
+    auto.restore_state = resumed
+    logger.info("hsoffload: policy auto keeps its measurements in %s (auto_state_path): %s", auto.state_path,
+                "this run resumes, so they are read (and checked by one step) first" if resumed else
+                "a run that resumes from this one reads them; this one does not read an earlier run's")
 
 
 # Attributes under which TRL (`SFTTrainer`) and Axolotl keep the context of their own activation
