@@ -6,6 +6,7 @@ checkpointing's. Budgets are set from peaks this file measures on fixed configur
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -22,6 +23,7 @@ from hsoffload.offload import auto
 from hsoffload.offload.auto import DeviceMemory
 from hsoffload.offload.calibration import bucket_length
 from hsoffload.targets import enable_checkpointing
+from torch.utils.checkpoint import noop_context_fn
 
 MIB = 1 << 20
 LAYERS = 4
@@ -42,6 +44,10 @@ def _meter_peak() -> int:
 
 
 def _model(attn: str = "eager", dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A tiny Llama, checkpointed with torch's `noop_context_fn` as its context_fn: the checkpoint runs as without
+    one, and policy auto does not offer its `sac` choice (whose context would replace the user's). Between none,
+    keep and offload the choice at a budget is set by bytes, not by this machine's noisy timings, so that two runs
+    can be compared choice for choice."""
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=LAYERS,
                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
                                    tie_word_embeddings=False)
@@ -49,7 +55,7 @@ def _model(attn: str = "eager", dtype: torch.dtype = torch.float32) -> tuple[tor
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
     model.train()
-    enable_checkpointing(model, {"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False, "context_fn": noop_context_fn})
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -96,7 +102,7 @@ def _auto(model: torch.nn.Module, budget: int, **kwargs: Any) -> Any:
                                           offload_cpu_tensors=True, **kwargs)
 
 
-def _fixed_peak(shape: Batch, unchecked: int, attn: str = "eager", pad: bool = False, steps: int = 3) -> int:
+def _fixed_peak(shape: Batch, unchecked: int, attn: str = "eager", pad: bool = False, steps: int = 2) -> int:
     """The steady peak of `unchecked` last layers without checkpointing and the others checkpointed and offloaded
     (a fixed configuration, no auto), measured here."""
     model, opt = _model(attn)
@@ -125,8 +131,10 @@ def _assert_under(peaks: list[int], budget: int) -> None:
     assert not over, f"steps over the {budget / MIB:.2f} MiB budget (step, MiB): {over}"
 
 
+@functools.lru_cache(maxsize=None)
 def _half_way(shape: Batch, attn: str = "eager", pad: bool = False) -> list[int]:
-    """Budgets half-way between the peaks of 0..LAYERS layers left unchekpointed at `shape` (measured here)."""
+    """Budgets half-way between the peaks of 0..LAYERS layers left unchekpointed at `shape` (measured here, once
+    per process: the reference runs' weights the tests hold are alive then too)."""
     peaks = [_fixed_peak(shape, k, attn, pad) for k in range(LAYERS + 1)]
     assert peaks == sorted(peaks) and peaks[-1] > peaks[0] * 1.5, [p / MIB for p in peaks]
     return [(a + b) // 2 for a, b in zip(peaks, peaks[1:])]
@@ -183,8 +191,8 @@ def test_random_lengths_calibrate_each_bucket_at_most_twice_and_decide_as_its_to
     _assert_under(peaks, budget)
     _assert_bitwise(model, losses, ref)
     ctl = auto.controller(model)
-    records = list(ctl.history)
-    assert len(records) == len(shapes)
+    records = list(ctl.history)  # a step is recorded when the next one starts: the last one is not yet
+    assert len(records) == len(shapes) - 1
     calibrations: dict[int, int] = {}
     for shape, rec in zip(shapes, records):
         if not rec.decided:
@@ -212,46 +220,46 @@ def _saved_run(tmp_path: Path, budget: int, shape: Batch = (1, 512), **model_kwa
 def test_a_state_file_from_another_run_is_not_applied(tmp_path: Path, other: str,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     """A file saved by an SDPA run (or a bfloat16 one, or one of another micro-batch) decides nothing in an eager
-    float32 run of 2 x 512: that run calibrates, and stays under its budget from its first step."""
-    shapes = [(2, 512)] * 4
+    float32 run of 1 x 512: that run calibrates, and stays under its budget from its first step."""
+    shapes = [(1, 512)] * 4
     ref = _plain(shapes)
-    budget = _half_way((2, 512))[1]
+    budget = _half_way((1, 512))[1]
     kwargs = {"attention": {"attn": "sdpa"}, "dtype": {"dtype": torch.bfloat16}, "micro-batch": {}}[other]
-    path = _saved_run(tmp_path, 10 * budget, (1, 512) if other == "micro-batch" else (2, 512), **kwargs)
+    path = _saved_run(tmp_path, 10 * budget, (2, 512) if other == "micro-batch" else (1, 512), **kwargs)
     model, opt = _model()
     with caplog.at_level(logging.INFO, logger="hsoffload"):
         losses, peaks = _train(model, opt, shapes, _auto(model, budget, auto_state_path=path))
     _assert_under(peaks, budget)
     _assert_bitwise(model, losses, ref)
     ctl = auto.controller(model)
-    assert [r.decided for r in ctl.history] == [False, False, True, True]
+    assert [r.decided for r in ctl.history] == [False, False, True]  # the last step is recorded by the next
     said = " ".join(r.getMessage() for r in caplog.records)
-    assert ("not reused" in said) if other != "micro-batch" else ("1x512" not in {s.key() for s in ctl.buckets})
+    assert ("not reused" in said) if other != "micro-batch" else ("2x512q" not in {s.key() for s in ctl.buckets})
 
 
 def test_a_layer_that_saves_more_than_its_file_says_is_measured_again(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     """A mismatch the file's identity cannot see: the same classes and shapes, but every decoder layer now saves
-    a second copy of its attention output. The restored bucket's first (lean) step measures more than the file
+    runs its attention twice. The restored bucket's first (lean) step measures more than the file
     says: nothing of the file is used, and no step goes over."""
     budget = _half_way((1, 512))[2]
     path = _saved_run(tmp_path, budget)
     model, opt = _model()
-    for layer in model.model.layers:
+    for layer in model.model.layers:  # attention run twice and averaged: the same output, twice its saves
         attn = layer.self_attn
         plain = attn.forward
 
-        def doubled(*args: Any, _plain: Callable[..., Any] = plain, **kwargs: Any) -> Any:
-            out = _plain(*args, **kwargs)
-            return (out[0] * torch.ones_like(out[0]),) + tuple(out[1:])  # a second saved tensor of the output's size
+        def twice(*args: Any, _plain: Callable[..., Any] = plain, **kwargs: Any) -> Any:
+            a, b = _plain(*args, **kwargs), _plain(*args, **kwargs)
+            return ((a[0] + b[0]) / 2,) + tuple(a[1:])
 
-        attn.forward = doubled
+        attn.forward = twice
     shapes = [(1, 512)] * 4
     with caplog.at_level(logging.INFO, logger="hsoffload"):
         _, peaks = _train(model, opt, shapes, _auto(model, budget, auto_state_path=path))
     _assert_under(peaks, budget)
     assert any("are not reused" in r.getMessage() for r in caplog.records)
-    assert [r.decided for r in auto.controller(model).history] == [False, False, True, True]
+    assert [r.decided for r in auto.controller(model).history] == [False, False, True]
 
 
 def test_a_second_forward_per_backward_after_calibration_stays_under() -> None:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "tests" / "extra_transformers.txt"
 # Suites that need only transformers + peft (Trainer pulls datasets, which pins newer hubs).
 SUITES = ["tests/integrations/test_transformers_models.py", "tests/integrations/test_patch.py",
-          "tests/integrations/test_layer_hooks.py",
+          "tests/integrations/test_layer_hooks.py", "tests/integrations/test_auto_versions.py",
           "tests/engine/test_policies.py"]
 # Entries of extra_transformers.txt this matrix runs (others are used by their own suites).
 MATRIX = ("tf457",)

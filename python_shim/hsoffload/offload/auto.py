@@ -1395,9 +1395,14 @@ def _forked_rng(device: torch.device) -> Iterator[None]:
 
 def _is_capture_wrapper(fn: Any) -> bool:
     """transformers 4.5x's `check_model_inputs` output recorder: a function it sets as a module's `forward` for the
-    model call (identified by its own module and name, never by an attribute it answers)."""
-    return (inspect.isfunction(fn) and getattr(fn, "__module__", None) == "transformers.utils.generic"
-            and fn.__qualname__.endswith("make_capture_wrapper.<locals>.wrapped_forward"))
+    model call, identified by its code object (its own file and name: `functools.wraps` gave it the wrapped
+    forward's name), never by an attribute it answers."""
+    code = getattr(fn, "__code__", None) if inspect.isfunction(fn) else None
+    if code is None or not hasattr(fn, "__wrapped__"):
+        return False
+    name = getattr(code, "co_qualname", code.co_name)
+    return name.endswith("wrapped_forward") and code.co_filename.replace(os.sep, "/").endswith(
+        "transformers/utils/generic.py")
 
 
 @contextlib.contextmanager
