@@ -307,7 +307,7 @@ def _shape(layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -
             tensors.extend(t for t in v[:8] if isinstance(t, torch.Tensor))
         elif isinstance(v, torch.Tensor):
             tensors.append(v)
-    return Shape(batch, length, quadratic_attention(_attention_implementation(layer), tensors))
+    return Shape(batch, length, quadratic_attention(_attention_implementation(layer), tensors, x.device.type))
 
 
 @dataclasses.dataclass
@@ -407,7 +407,6 @@ class AutoController:
         # peak: a floor of every step's peak that no decision changes
         self.tail_increase = 0
         self.peak_read = 0  # the largest whole-step peak read (the Trainer integration reports it)
-        self._since_reset = 0  # the most predicted for the steps since auto last reset the device's peak counter
         self._urgent: Optional[str] = None  # a reason to decide at the next micro-batch, mid optimizer step too
         self._adopt: Optional[tuple[Shape, bool]] = None  # a restored bucket checked by the step that ended: matched?
         self._restored: dict[str, dict[str, Any]] = {}  # auto_state_path's buckets by key, until first used
@@ -667,7 +666,8 @@ class AutoController:
         if measured:
             b.measured_decision = b.decision_index
             self.memory.reset_peak()
-            self._since_reset = 0
+        self._step["counter0"] = 0 if measured else int(self.memory.peak() or 0)
+        self._step["reserved0"] = 0 if measured else int(self.memory.reserved_peak() or 0)
         self._mark(self._step, "t0")
 
     def _predicted_at(self, bucket: Bucket, start: int) -> int:
@@ -768,21 +768,25 @@ class AutoController:
         if decision is None or step["unplanned"]:  # more forwards than decided for: decided again, not verified
             return None
         self.decided_steps += 1
-        # The running maximum since auto last reset the counter: against the most predicted since then
-        floor = step["start"] + self.tail_increase
-        self._since_reset = max(self._since_reset, predicted, floor)
-        if self.decided_steps == 1 or whole > self._since_reset:
-            logger.info("hsoffload: policy auto: step measured %.1f MiB peak (predicted %.1f, budget %.1f), %.1f ms "
-                        "(predicted %.1f)", whole / 2**20, self._since_reset / 2**20, self.budget / 2**20,
-                        measured_s * 1e3, decision.step_s * 1e3)
+        # A measured step's counter was reset at its start: `whole` is its own peak. Another step's counter runs on
+        # from earlier steps (and what the program allocated between them): a reading above the one at the step's
+        # start was reached inside the step, and is its peak; one that did not rise says only that the step stayed
+        # under an earlier peak.
+        own = whole if step["measured"] or whole > step["counter0"] else None
+        expected = max(predicted, step["start"] + self.tail_increase)
+        if self.decided_steps == 1 or (own is not None and own > expected):
+            logger.info("hsoffload: policy auto: step measured %s peak (predicted %.1f, budget %.1f), %.1f ms "
+                        "(predicted %.1f)", "an earlier" if own is None else f"{own / 2**20:.1f} MiB",
+                        expected / 2**20, self.budget / 2**20, measured_s * 1e3, decision.step_s * 1e3)
         over = 0
-        if whole > self._since_reset:
-            over = whole - self._since_reset
+        if own is not None and own > expected:
+            over = own - expected
             self.margin += over
-            self._since_reset = whole
             if step["predicted"] + over + self.allocator_gap > self.budget:
                 self.replans += 1
-                return f"the measured peak {whole / 2**20:.1f} MiB passed the prediction by {over / 2**20:.1f} MiB"
+                return f"the measured peak {own / 2**20:.1f} MiB passed the prediction by {over / 2**20:.1f} MiB"
+        if not step["measured"] and reserved is not None and reserved <= step["reserved0"]:
+            reserved = None  # reached before this step (or between steps): not this step's
         if reserved is not None and reserved - self.budget > over and decision.fits:
             # What the allocator reserved passed the budget by more than the lent bytes' overshoot (now in the
             # margin): fragmentation beyond the gap measured; the gap grows by the rest and the decision is made again

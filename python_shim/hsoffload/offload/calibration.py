@@ -19,10 +19,12 @@ import math
 from typing import Any, Iterable, Optional
 
 BUCKET_STEPS = 3  # buckets per doubling of the length: tops at 2^(k/3)
-# transformers' attention implementations whose memory is linear in the length without a mask (flash kernels, flex,
-# SDPA's fused kernels); every other implementation, and any layer given a 4-D mask, counts as quadratic.
-LINEAR_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention", "kernels-community/", "flex_attention",
-                    "sdpa")
+# transformers' attention implementations whose memory is linear in the length without a mask (flash kernels, flex);
+# every other implementation, and any layer given a 4-D mask, counts as quadratic.
+LINEAR_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention", "kernels-community/", "flex_attention")
+# SDPA without a mask is linear where torch has fused kernels for it (flash or memory-efficient on CUDA, flash on the
+# CPU); on other devices it may take the math path, which holds the probabilities.
+SDPA_FUSED_DEVICES = ("cuda", "cpu")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -87,11 +89,14 @@ def agreed_bucket(maxima: Iterable[float]) -> Shape:
     return Shape(batch, bucket_length(length), bool(quadratic))
 
 
-def quadratic_attention(implementation: Optional[str], tensors: Iterable[Any]) -> bool:
+def quadratic_attention(implementation: Optional[str], tensors: Iterable[Any], device_type: str = "cuda") -> bool:
     """Whether a layer's attention holds length^2 per sequence: a 4-D mask among its inputs (eager and SDPA
-    materialise it and the probabilities), or an implementation not known to be linear (eager, anything unknown)."""
+    materialise it and the probabilities), or an implementation not known to be linear on `device_type` (eager,
+    SDPA where torch has no fused kernel, anything unknown)."""
     for t in tensors:
         if getattr(t, "dim", None) is not None and t.dim() == 4:
             return True
     impl = implementation or "eager"
+    if impl == "sdpa":
+        return device_type not in SDPA_FUSED_DEVICES
     return not any(impl == name or (name.endswith("/") and impl.startswith(name)) for name in LINEAR_ATTENTION)

@@ -218,7 +218,7 @@ def test_a_longer_batch_is_calibrated_before_it_is_decided_for(dev: torch.device
         grads, peaks, model = _train(dev, "auto", budget, seqs=seqs)
     assert _same(grads, ref)
     assert max(peaks) <= budget, (peaks, budget)
-    assert "longer than the 256 the decision is for" in caplog.text
+    assert "a batch of shape 1x512 (quadratic attention): calibrating for its bucket" in caplog.text
     ctl = auto.controller(model)
     assert ctl.tokens == SEQ and ctl.decisions == 2
     assert [r.decided for r in ctl.history] == [False, False, True, True, False, False, True]
@@ -410,3 +410,39 @@ def test_the_prefetch_depth_is_chosen_and_applied(dev: torch.device, reference: 
     assert ctl.decision.prefetch_depth == 1 and "prefetch depth 1" in ctl.report(), ctl.report()
     assert seen[:2] == [(0, 0), (0, 0)], seen  # calibration: the configured depth, restores on demand
     assert all(depth == 1 and hits == 3 for depth, hits in seen[2:]), seen  # layers 2, 1, 0 restored ahead
+
+
+def test_an_outer_peak_reader_sees_the_decided_steps_whole(dev: torch.device, reference: dict[str, Any]) -> None:
+    """Auto resets the device's peak counter only at the steps it measures (calibration, a decision's first step):
+    an outer reader that resets it before its step (a buffer the size of the whole no-checkpointing peak allocated
+    and freed before forward, the step's real peak) and reads after the optimizer sees that buffer in every other
+    step."""
+    lean, none = reference["lean_peak"], reference["none_peak"]
+    budget = lean + (none - lean) // 2
+    model, opt = _model(dev)
+    scope = hsoffload.offload_hidden_states(model, policy="auto", device_budget=budget, min_offload_size=0)
+    big = none  # more than any step holds
+    seen = []
+    with hsemu.copy_delay(0, 0, 0):
+        for step in range(8):
+            ids = _ids(dev, SEQ, step)
+            hsemu.synchronize()
+            hsemu.reset_peak()
+            buffer = torch.empty(big // 4, dtype=torch.float32, device=dev)
+            del buffer
+            with scope:
+                model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            hsemu.synchronize()
+            seen.append(hsemu.stats()["peak_allocated_bytes"])
+    ctl = auto.controller(model)
+    records = list(ctl.history)  # every step but the last (recorded when the next starts)
+    assert any(r.decided for r in records), list(ctl.decision_log)
+    for k, r in enumerate(records):
+        first = not r.decided or k == 0 or records[k - 1].decision_index != r.decision_index
+        if first:  # calibration, a decision's first step: measured (the counter reset at the first layer)
+            assert seen[k] < big, (k, seen, big, list(ctl.decision_log))
+        else:  # nothing reset: the reader sees its own buffer
+            assert seen[k] >= big, (k, seen, big, list(ctl.decision_log))
+    assert any(seen[k] >= big for k in range(len(records))), seen
