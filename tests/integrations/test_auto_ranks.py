@@ -37,3 +37,22 @@ def test_two_ranks_agree_on_every_decision_and_train_bitwise(tmp_path: Path, wra
     assert a0["runs"][4:] == [["keep"] * layers] * 4, a0["runs"]  # the budget changed at step 4: decided there
     assert a0["decisions"][-1] >= 2
     assert "ranks agree on every decision" in proc.stderr
+
+
+def test_a_second_forward_on_two_ranks_is_decided_for_on_both(tmp_path: Path) -> None:
+    """From step 5 on both ranks run two forwards before one backward: the step where it first happens runs the
+    extra forward lean on each rank alone (no collective mid-step), the next micro-batch decides for two forwards on
+    both, from the same step; no hang; bit for bit. Also prints the agreement's host wait per micro-batch (gloo)."""
+    proc = launch.two_ranks(WORKER, ["--wrap", "fsdp2", "--out-dir", str(tmp_path), "--two-forwards-from", "5"],
+                            timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["bitwise"], (r["auto"]["losses"], r["plain"]["losses"])
+    a0, a1 = r0["auto"], r1["auto"]
+    assert a0["runs"] == a1["runs"] and a0["decisions"] == a1["decisions"], (a0, a1)
+    assert a0["forwards"][:5] == [1] * 5 and a0["forwards"][5:] == [2] * 3, a0["forwards"]
+    assert a0["decisions"][6] > a0["decisions"][5], a0["decisions"]  # decided again at the step after
+    waits = sorted(a0["agree_ms"])
+    print(f"agreement host wait per micro-batch (gloo, 2 ranks, CPU): median {waits[len(waits) // 2]:.3f} ms, "
+          f"max {waits[-1]:.3f} ms over {len(waits)}")

@@ -67,7 +67,7 @@ def _budgets(rank: int, step: int) -> int:
     return 1 << 30
 
 
-def _train(wrap: str, auto: bool) -> dict[str, Any]:
+def _train(wrap: str, auto: bool, two_from: int = -1) -> dict[str, Any]:
     import hsoffload
     from hsoffload.offload import auto as auto_mod
 
@@ -77,20 +77,28 @@ def _train(wrap: str, auto: bool) -> dict[str, Any]:
     engine, opt = _fsdp2(model) if wrap == "fsdp2" else _zero3(model)
     seq = 32 if rank == 0 else 48  # the ranks' batches differ in length (packing, sequence shards)
     g = torch.Generator().manual_seed(100 + rank)
-    losses, runs, decisions = [], [], []
+    losses, runs, decisions, forwards = [], [], [], []
+    agree_ms: list[float] = []
     for step in range(STEPS):
         ids = torch.randint(3, 256, (1, seq), generator=g)
+        extra = ids.flip(1) if 0 <= two_from <= step else None  # a second forward before the one backward
         if auto:
             with hsoffload.offload_hidden_states(inner, policy="auto", device_budget=_budgets(rank, step),
                                                  offload_cpu_tensors=True, min_offload_size=0,
                                                  auto_calibration_steps=2):
                 loss = engine(input_ids=ids, labels=ids).loss
+                if extra is not None:
+                    loss = loss + engine(input_ids=extra, labels=extra).loss
                 engine.backward(loss) if wrap == "zero3" else loss.backward()
             ctl = auto_mod.controller(inner)
             runs.append([c.value for c in ctl.choices()])
             decisions.append(ctl.decisions)
+            forwards.append(ctl.forwards)
+            agree_ms = [t * 1e3 for t in ctl.agree_s]
         else:
             loss = engine(input_ids=ids, labels=ids).loss
+            if extra is not None:
+                loss = loss + engine(input_ids=extra, labels=extra).loss
             engine.backward(loss) if wrap == "zero3" else loss.backward()
         if wrap == "zero3":
             engine.step()
@@ -105,7 +113,7 @@ def _train(wrap: str, auto: bool) -> dict[str, Any]:
 
         with deepspeed.zero.GatheredParameters(list(inner.parameters())):
             params = [p.detach().clone() for p in inner.parameters()]
-    return {"losses": losses, "runs": runs, "decisions": decisions,
+    return {"losses": losses, "runs": runs, "decisions": decisions, "forwards": forwards, "agree_ms": agree_ms,
             "param_digest": [float(p.double().sum()) for p in params], "params": params}
 
 
@@ -113,6 +121,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--wrap", choices=("fsdp2", "zero3"), required=True)
     ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--two-forwards-from", type=int, default=-1, help="from this step on, two forwards per backward")
     a = ap.parse_args()
     faulthandler.enable()
     logging.basicConfig(level=logging.INFO)
@@ -121,8 +130,8 @@ def main() -> int:
     rank = dist.get_rank()
     import hsoffload  # noqa: F401  (loads the op library)
 
-    auto = _train(a.wrap, auto=True)
-    plain = _train(a.wrap, auto=False)
+    auto = _train(a.wrap, auto=True, two_from=a.two_forwards_from)
+    plain = _train(a.wrap, auto=False, two_from=a.two_forwards_from)
     same = all(torch.equal(x, y) for x, y in zip(auto.pop("params"), plain.pop("params")))
     result = {"rank": rank, "auto": auto, "plain": plain, "bitwise": same and auto["losses"] == plain["losses"]}
 

@@ -1,4 +1,4 @@
-"""`policy="auto"` at run time: measure, decide per decoder layer, apply, verify every step.
+"""`policy="auto"` at run time: measure, decide per decoder layer, apply, verify.
 
 A model's `AutoController` (one per model, kept beside it while it lives) sees every decoder-layer call of forward
 before the layer runs (the patch calls `before_layer`); the first layer's call starts a step (a micro-batch).
@@ -13,7 +13,9 @@ before the layer runs (the patch calls `before_layer`); the first layer's call s
   of their outputs a recompute reads (those made before the layer's last saved tensor: torch's early stop ends the
   recompute there): the `sac` choice's bytes and the time it saves. A probe
   that would not fit the budget is not run (that layer is never left unchekpointed); one that runs out of memory
-  marks the same. The last calibration step's device peak and time are the lean baseline.
+  marks the same. Calibration is per shape bucket (hsoffload.offload.calibration: micro-batch, length rounded up to
+  its bucket's top, quadratic attention or not): each bucket's steps without the probe give its lean baseline,
+  scaled up to the bucket's top; a batch always runs its own bucket's decision.
 - The decision (hsoffload.choose): the least predicted step time whose predicted peak (the lean peak plus what the
   decision holds, plus a safety margin) is under the budget; logged as a table once per decision.
 - Applied per layer: `none` clears the layer's `gradient_checkpointing` flag (transformers honours it per layer),
@@ -21,11 +23,13 @@ before the layer runs (the patch calls `before_layer`); the first layer's call s
   hidden_states, `sac` is offload with the layer's checkpoint given a selective context (`SAC_CONTEXT`) that asks
   `CheckpointPolicy.MUST_CPU_OFFLOAD` for its projections (hsoffload.offload.sac moves them). Restored when the scope
   exits.
-- Verified every step: the measured peak against the budget and the prediction, the step time against the
-  prediction. A peak over the prediction raises the margin by the difference (the margin only grows: no
-  oscillation) and, when the decision then no longer fits, decides again. A batch with more tokens than any
-  calibrated runs with the leanest choice and calibrates again at its length before it is decided for: a longer
-  batch is planned, never discovered by an OOM.
+- Verified: the device's peak counter is reset at the steps auto measures (calibration, a decision's first step),
+  read when backward reaches the first layer and at the optimizer's step; other steps are verified by the
+  counter's rise within them (outer readers see them whole). A peak over the prediction raises the margin by the
+  difference (the margin only grows: no oscillation) and, when the decision then no longer fits, decides again. A
+  batch of a bucket not measured yet runs with the leanest choice and calibrates its bucket before it is decided
+  for: a longer batch is planned, never discovered by an OOM. A forward beyond those a decision was made for runs
+  lean (a decision never changes between a step's forwards); the next micro-batch decides for them.
 - `auto_report_only`: decide and log, keep every layer offloaded.
 
 Thread-safety: a controller is used on the thread that runs the model's forward (as the scope it serves).
@@ -408,6 +412,9 @@ class AutoController:
         self.tail_increase = 0
         self.peak_read = 0  # the largest whole-step peak read (the Trainer integration reports it)
         self._urgent: Optional[str] = None  # a reason to decide at the next micro-batch, mid optimizer step too
+        # The host's wait in each micro-batch's agreement across ranks (seconds, the last HISTORY): the collective and
+        # the copy of its result to the host (the host must know the bucket and the wishes before the layer runs)
+        self.agree_s: "collections.deque[float]" = collections.deque(maxlen=HISTORY)
         self._adopt: Optional[tuple[Shape, bool]] = None  # a restored bucket checked by the step that ended: matched?
         self._restored: dict[str, dict[str, Any]] = {}  # auto_state_path's buckets by key, until first used
         self.margin = 0  # bytes added to every predicted peak; grows by each overshoot seen
@@ -628,7 +635,9 @@ class AutoController:
         self._adopt = None
         target, adopt_ok = local, adopt is not None and adopt[1]
         if self.ranks.size > 1:  # one collective per micro-batch on every rank: buckets, wishes, the step boundary
+            t0 = time.perf_counter()
             target, want_any, boundary, adopt_ok = self._agree_step(local, want, boundary, adopt)
+            self.agree_s.append(time.perf_counter() - t0)
             if want_any > want:
                 reason = reason or "another rank's measurements changed (its peak, its start bytes or its calibration)"
                 want = int(want_any)
@@ -1209,6 +1218,8 @@ class AutoController:
         values["auto_budget_gib"] = (self.budget or 0) / gib
         values["auto_prefetch_depth"] = float(self.prefetch_depth())
         values["auto_buckets"] = float(len(self.buckets))
+        if self.agree_s:  # the ranks' agreement per micro-batch: the host's median wait
+            values["auto_agree_ms"] = sorted(self.agree_s)[len(self.agree_s) // 2] * 1e3
         # the largest whole-step peak auto read (auto resets the device's peak counter at the steps it measures)
         values["auto_peak_read_gib"] = self.peak_read / gib
         last = next((r for r in reversed(self.history) if r.decided), None)
