@@ -51,6 +51,8 @@ SLOW = (
     "tests/integrations/test_fsdp.py::test_fsdp2_two_ranks",
     "tests/integrations/test_fsdp.py::test_rank_failing_during_load",
     "tests/integrations/test_transformers_matrix.py::",  # a child pytest under another transformers
+    "tests/integrations/test_transformers_peer_suite.py::test_transformers_own",  # a child process each
+    "tests/integrations/test_transformers_peer_suite.py::test_a_mocked_checkpoint",
     "tests/integrations/test_zero3_loading.py::test_parameters_and_loss_equal_stock",  # these share one 2-rank launch
     "tests/integrations/test_zero3_loading.py::test_rank1_receives",
     "tests/integrations/test_zero3_loading.py::test_rank0_is_the_source",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -52,23 +52,54 @@ def first_param_is_hidden_states(cls: type) -> bool:
 # The attribute transformers keeps a decoder layer's checkpoint function in (a `functools.partial` of torch's).
 LAYER_ATTR = "_gradient_checkpointing_func"
 
-# Set on the function hsoffload's patch puts in `layer._gradient_checkpointing_func` for one call (transformers >= 5.23):
-# the checkpoint function it wraps. Everything that reads the layer's checkpoint function looks through it.
-MARKING_WRAPPER_ATTR = "_hsoffload_marks_for"
+# How deep `unwrap_marking` and `checkpoint_function` look. hsoffload's patch never wraps one of its marking wrappers in
+# another (it unwraps first) and `functools.partial` flattens nested partials, so real chains are 1-2 long; the bound
+# only turns a cycle or a runaway chain into an error instead of an endless loop.
+MAX_UNWRAP_DEPTH = 32
+
+
+class MarkingWrapper:
+    """The function hsoffload's patch puts in `layer._gradient_checkpointing_func` for one call (transformers >= 5.23):
+    it marks the hidden_states the layer's checkpoint function receives, then calls `wrapped`, the function it replaced.
+
+    Recognised by its exact type only (`type(f) is MarkingWrapper`), never by an attribute: a user's checkpoint function
+    may be an object that answers every attribute (a `unittest.mock` object, a proxy), and walking such an object by
+    "has an attribute" never ends (issue 52, item 6)."""
+
+    __slots__ = ("wrapped", "_call")
+
+    def __init__(self, wrapped: Any, call: Callable[..., Any]) -> None:
+        self.wrapped = wrapped  # the checkpoint function this wrapper calls (never a MarkingWrapper: see patch.py)
+        self._call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<hsoffload marking wrapper of {self.wrapped!r}>"
 
 
 def unwrap_marking(func: Any) -> Any:
-    """`func` without hsoffload's per-call marking wrappers."""
-    while getattr(func, MARKING_WRAPPER_ATTR, None) is not None:
-        func = getattr(func, MARKING_WRAPPER_ATTR)
-    return func
+    """`func` without hsoffload's per-call marking wrappers (only `MarkingWrapper` objects are looked through; any other
+    object, whatever attributes it answers, is returned as it is)."""
+    for _ in range(MAX_UNWRAP_DEPTH):
+        if type(func) is not MarkingWrapper:
+            return func
+        func = func.wrapped
+    raise RuntimeError(
+        f"hsoffload: more than {MAX_UNWRAP_DEPTH} marking wrappers nested in a layer's {LAYER_ATTR} (a cycle?); "
+        "this is a bug in hsoffload, please report it with the model's code"
+    )
 
 
 def checkpoint_function(layer: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
-    """The callable behind `layer._gradient_checkpointing_func` and its bound keywords."""
+    """The callable behind `layer._gradient_checkpointing_func` and its bound keywords (through hsoffload's marking
+    wrapper and `functools.partial` objects only, a bounded number of them)."""
     func = unwrap_marking(getattr(layer, LAYER_ATTR, None))
     keywords: dict[str, Any] = {}
-    while isinstance(func, functools.partial):
+    for _ in range(MAX_UNWRAP_DEPTH):
+        if not isinstance(func, functools.partial):
+            break
         keywords = {**func.keywords, **keywords}
         func = func.func
     return func, keywords

@@ -17,6 +17,10 @@ the model's config, and a failure on rank 0 only (its node-local copy of the che
 both ranks raise within seconds, with rank 0's message (stock: rank 0 raises, rank 1 waits in its next collective
 until the gloo timeout); `ignore_mismatched_sizes=True` loads the same mismatched checkpoint on both ranks; a byte
 flipped in rank 1's received partition (the module's test hook) makes both ranks raise naming that parameter.
+Issue 52 (1), in the same launch: rank 1's scratch buffers under a capacity cap (every allocation fails from the first
+refused one on), in zero.Init or in the gathered init's exit; rank 0's own-slice allocation refused; rank 1's copy of
+the checkpoint without its shard index or its config (it fails before its model exists): each ends on both ranks with
+the same error within seconds (the worker's collectives time out after 120 s, its failure_wait_s is 15 s).
 
 In process: the op's decision table, its argument checks and opcheck.
 """
@@ -39,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "zero3_loading_worker.py"
 PLAN = ("from_config:patched,from_config:stock,from_pretrained:patched,from_pretrained:stock,"
         "mismatch:patched,rank0_read_error:patched,mismatch_ignored:patched,rank0_init_error:patched,"
-        "verify_detects:patched")
+        "verify_detects:patched,receiver_capped_init:patched,receiver_capped_gathered:patched,"
+        "rank0_own_slice_fails:patched,rank1_missing_index:patched,rank1_missing_config:patched")
 COLLECTIVE_TIMEOUT_S = 120  # the worker's init_distributed timeout: where a rank left waiting would give up
 
 
@@ -203,6 +208,46 @@ def test_verify_names_the_corrupted_partition_on_every_rank(runs: dict[int, Any]
     assert e0["message"] in e1["message"] and "rank 0 failed" in e1["message"]
 
 
+@needs_deepspeed
+@pytest.mark.parametrize("kind", ["receiver_capped_init", "receiver_capped_gathered"])
+def test_a_failure_of_every_allocation_on_a_receiver_raises_the_same_error_on_every_rank(
+        runs: dict[int, Any], kind: str) -> None:
+    """Issue 52 (1): rank 1's scratch buffers (padded last partitions) hit a capacity cap and every later allocation
+    fails too, in zero.Init's scatters (after 46 that fit) or in the gathered init's exit: every rank raises rank 1's
+    error within seconds, none is left in a scatter."""
+    e0, e1 = _failed(runs, kind)
+    assert e1["type"] == "RuntimeError" and "capacity of" in e1["message"]
+    assert e0["type"] == "Zero3LoadError" and "rank 1 failed" in e0["message"] and e1["message"] in e0["message"]
+    cap = runs[1][(kind, True)]["cap"]
+    assert cap["failed_at"] == cap["calls"] >= 1  # it failed at its first refused allocation and raised there
+    if kind == "receiver_capped_init":
+        assert cap["failed_at"] > 1 and "zero.Init's scatter" in e0["message"]  # some fit first: not the first call
+    else:
+        assert "inside GatheredParameters" in e0["message"]
+
+
+@needs_deepspeed
+def test_a_failure_of_rank0s_own_slice_allocation_raises_the_same_error_on_every_rank(runs: dict[int, Any]) -> None:
+    e0, e1 = _failed(runs, "rank0_own_slice_fails")
+    assert e0["type"] == "RuntimeError" and "capacity of 0 bytes" in e0["message"]
+    assert runs[0][("rank0_own_slice_fails", True)]["cap"]["failed_at"] == 1  # its first: an own slice (see worker)
+    assert e1["type"] == "Zero3LoadError" and "rank 0 failed" in e1["message"] and e0["message"] in e1["message"]
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("kind,error,where", [("rank1_missing_index", "OSError", "LlamaForCausalLM.from_pretrained"),
+                                              ("rank1_missing_config", "ValueError", "AutoConfig.from_pretrained")])
+def test_a_failure_before_the_model_exists_ends_on_every_rank_within_the_bound(
+        runs: dict[int, Any], kind: str, error: str, where: str) -> None:
+    """Rank 1's copy of the checkpoint lacks a file (its shard index: it fails resolving the shards; its config: it
+    fails in AutoConfig), before its model exists, while rank 0 builds its own: both raise rank 1's error, well
+    within the worker's failure_wait_s (15 s) and far below the collectives' timeout (120 s)."""
+    e0, e1 = _failed(runs, kind)
+    assert e1["type"] == error
+    assert e0["type"] == "Zero3LoadError" and e1["message"] in e0["message"]
+    assert f"rank 1 failed while building the model ({where}" in e0["message"]
+
+
 def test_checkpoint_check_names_a_dtype_that_a_cast_would_change() -> None:
     """In process, without ranks: the check every rank runs before loading (a plain module's own shapes)."""
     from hsoffload.zero3_loading import _check_checkpoint
@@ -278,13 +323,15 @@ def test_patch_is_exact_and_gathered_parameters_stay_deepspeeds_outside_loading(
     import transformers.integrations.deepspeed as hd
     import transformers.modeling_utils as mu
     from deepspeed.runtime.zero.partition_parameters import Init
+    from transformers import AutoConfig
 
     import hsoffload.zero3_loading as z3
 
     def current() -> tuple[Any, ...]:
         return (Init.__dict__["_zero_init_param"], dz.GatheredParameters, hd.initialize_weights_zero3,
                 hd._load_state_dict_into_zero3_model, mu._load_state_dict_into_zero3_model, mu.load_state_dict,
-                mu.PreTrainedModel.__dict__["_load_pretrained_model"])
+                mu.PreTrainedModel.__dict__["_load_pretrained_model"], mu.PreTrainedModel.__dict__["from_pretrained"],
+                mu.PreTrainedModel.__dict__["_from_config"], AutoConfig.__dict__["from_pretrained"])
 
     before = current()
     z3.patch()

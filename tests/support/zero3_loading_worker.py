@@ -27,6 +27,7 @@ keeps it) without raising the peak. The measurement command in docs/usage.md run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -57,7 +58,9 @@ DS_CONFIG: dict[str, Any] = {
 
 DTYPE = torch.float32  # --bf16: torch.bfloat16
 VERIFY = False  # --verify
-FAILING = ("mismatch", "mismatch_ignored", "rank0_read_error", "rank0_init_error", "verify_detects")
+FAILING = ("mismatch", "mismatch_ignored", "rank0_read_error", "rank0_init_error", "verify_detects",
+           "receiver_capped_init", "receiver_capped_gathered", "rank0_own_slice_fails", "rank1_missing_index", "rank1_missing_config")
+FAILURE_WAIT_S = 15.0  # patch(failure_wait_s=...): far below the collectives' timeout (120 s)
 CORRUPTED = "model.layers.1.self_attn.q_proj.weight"  # verify_detects: rank 1 flips one byte of its partition
 
 
@@ -68,6 +71,11 @@ def model_config(size: str) -> Any:
         config = tiny_config("llama", 4)
         config.hidden_size, config.intermediate_size, config.vocab_size = 256, 768, 2048
         config.num_attention_heads, config.num_key_value_heads = 4, 2
+    elif size == "odd":  # hidden 255 (head_dim 64): the norms and embeddings have an odd number of elements, so the
+        # last partition of 2 ranks is padded and rank 1 receives those through a scratch buffer
+        config = tiny_config("llama", 2)
+        config.hidden_size, config.intermediate_size, config.vocab_size = 255, 512, 1023
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 64
     else:  # ~107 MiB (8 layers, hidden 512, vocab 8192): the measured size
         config = tiny_config("llama", 8)
         config.hidden_size, config.intermediate_size, config.vocab_size = 512, 1536, 8192
@@ -134,6 +142,42 @@ class InitTimer:
 
     def __exit__(self, *exc: Any) -> None:
         self._m.initialize_weights_zero3 = self._original
+
+
+class ScratchCap:
+    """A capacity cap on the buffers hsoffload's loading collectives allocate (`zero3._scratch`, the module that
+    allocates them: zero.Init swaps torch's own factories in and out, so those cannot be patched): once `cap` bytes
+    are used, this call and every later one fail, as an exhausted device or host would. `armed` False lets calls
+    through uncounted until `arm()`."""
+
+    def __init__(self, z3: Any, cap: int, armed: bool = True) -> None:
+        self._z3, self.cap, self.armed = z3, cap, armed
+        self.used = 0
+        self.failed_at: int = -1  # the call that failed first (counted from arming)
+        self.calls = 0
+        self._original = z3._scratch
+
+    def __enter__(self) -> "ScratchCap":
+        self._z3._scratch = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._z3._scratch = self._original
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def __call__(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if not self.armed:
+            return self._original(numel, dtype, device)
+        self.calls += 1
+        nbytes = numel * dtype.itemsize
+        if self.failed_at >= 0 or self.used + nbytes > self.cap:
+            self.failed_at = self.calls if self.failed_at < 0 else self.failed_at
+            raise RuntimeError(f"scratch buffer of {nbytes} bytes refused: this rank's capacity of {self.cap} bytes "
+                               "is used up (a cap injected by the test)")
+        self.used += nbytes
+        return self._original(numel, dtype, device)
 
 
 def digest(model: torch.nn.Module) -> str:
@@ -228,6 +272,43 @@ def truncated_copy(path: str, out_dir: str) -> str:
     return bad
 
 
+def without_file(path: str, out_dir: str, name: str) -> str:
+    """A copy of the checkpoint at `path` without its file `name`: rank 1's node-local copy, incomplete, on which
+    transformers fails before the model exists (resolving the shards without their index; reading the config)."""
+    bad = os.path.join(out_dir, f"checkpoint-without-{name}")
+    if not os.path.isdir(bad):
+        shutil.copytree(path, bad)
+        os.remove(os.path.join(bad, name))
+    return bad
+
+
+class ArmInInit:
+    """Arms a ScratchCap when transformers' initialize_weights_zero3 starts (zero.Init's scatters are done then)."""
+
+    def __init__(self, cap: Any) -> None:
+        self._cap = cap
+
+    def __enter__(self) -> "ArmInInit":
+        if self._cap is None:
+            return self
+        import transformers.integrations.deepspeed as m
+
+        self._m, self._original = m, m.initialize_weights_zero3
+        cap = self._cap
+
+        @functools.wraps(self._original)
+        def armed(*args: Any, **kwargs: Any) -> Any:
+            cap.arm()
+            return self._original(*args, **kwargs)
+
+        m.initialize_weights_zero3 = armed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._cap is not None:
+            self._m.initialize_weights_zero3 = self._original
+
+
 def load_failing(kind: str, config: Any, path: str, out_dir: str) -> dict[str, Any]:
     """One patched from_pretrained that must fail on every rank (or, `mismatch_ignored`, load on every rank)."""
     import copy
@@ -236,12 +317,29 @@ def load_failing(kind: str, config: Any, path: str, out_dir: str) -> dict[str, A
 
     import hsoffload.zero3_loading as z3
 
-    z3.patch(verify=VERIFY)
+    z3.patch(verify=VERIFY, failure_wait_s=FAILURE_WAIT_S)
     z3.reset_stats()
     gc.collect()
     rank = dist.get_rank()
     kwargs: dict[str, Any] = {}
     load_path = path
+    cap: Any = contextlib.nullcontext()
+    arm_in_init = False
+    if kind in ("receiver_capped_init", "receiver_capped_gathered"):
+        config = model_config("odd")  # padded last partitions: rank 1 receives those through scratch buffers
+        if rank == 1:  # zero.Init: the embedding's padded slice fits (522 kB), then every allocation fails
+            cap = ScratchCap(z3, 600_000 if kind == "receiver_capped_init" else 0,
+                             armed=kind == "receiver_capped_init")
+            arm_in_init = kind == "receiver_capped_gathered"  # from the gathered initialize_weights_zero3 on
+    elif kind == "rank0_own_slice_fails" and rank == 0:
+        # the small model has no padded partition: rank 0's only scratch buffers are its own slices (then, with
+        # --verify, the checksums'), so the first allocation refused is an own slice, inside the gathered init
+        cap = ScratchCap(z3, 0, armed=False)
+        arm_in_init = True
+    elif kind == "rank1_missing_index" and rank == 1:
+        load_path = without_file(path, out_dir, "model.safetensors.index.json")
+    elif kind == "rank1_missing_config" and rank == 1:
+        load_path = without_file(path, out_dir, "config.json")
     if kind in ("mismatch", "mismatch_ignored"):
         bad = copy.deepcopy(config)
         bad.intermediate_size = config.intermediate_size // 2  # every layer's gate/up/down_proj differs
@@ -268,10 +366,12 @@ def load_failing(kind: str, config: Any, path: str, out_dir: str) -> dict[str, A
     model = None
     raised = None
     try:
-        if kind == "rank0_init_error":
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPE)
-        else:
-            model = transformers.AutoModelForCausalLM.from_pretrained(load_path, dtype=DTYPE, **kwargs)
+        with cap, ArmInInit(cap if arm_in_init else None):
+            if kind in ("rank0_init_error", "receiver_capped_init", "receiver_capped_gathered",
+                        "rank0_own_slice_fails"):
+                model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPE)
+            else:
+                model = transformers.AutoModelForCausalLM.from_pretrained(load_path, dtype=DTYPE, **kwargs)
     except Exception as e:  # what the test asserts: the same error on every rank
         raised = {"type": type(e).__name__, "message": str(e)}
     finally:
@@ -284,6 +384,8 @@ def load_failing(kind: str, config: Any, path: str, out_dir: str) -> dict[str, A
     z3._TEST_HOOKS["after_receive"] = None
     result: dict[str, Any] = {"kind": kind, "patched": True, "rank": rank, "raised": raised, "seconds": seconds,
                               "stats": dataclasses.asdict(z3.stats())}
+    if isinstance(cap, ScratchCap):
+        result["cap"] = {"calls": cap.calls, "failed_at": cap.failed_at, "used": cap.used}
     z3.unpatch()
     if model is not None:
         result["params"] = sum(1 for _ in model.parameters())

@@ -49,8 +49,20 @@ while the other ranks go on into their next collective and wait there for a rank
   model's initialisation as transformers does without ZeRO-3;
 - a status all-reduce (`_agree`) runs after rank 0 read the checkpoint, after the load, and around every
   gather/scatter of `RootGatheredParameters`: when a rank failed, every rank raises at the same point (the failed
-  rank its own exception, the others a `Zero3LoadError` quoting its message, broadcast with
-  `broadcast_object_list`). `__exit__` finishes every scatter before it raises, so no rank is left in one;
+  rank its own exception, the others a `Zero3LoadError` quoting its message and where it failed, broadcast with
+  `broadcast_object_list`);
+- every buffer a scatter needs (a receiving rank's scratch buffer for a padded last partition or a partition kept
+  off the communication device, rank 0's own slice and padded slices, the verification's checksums; all from
+  `_scratch`) is allocated before the scatter, and a status check then agrees on it (and, at a
+  `RootGatheredParameters` exit, on rank 0's init or load): a rank that cannot allocate makes every rank raise
+  before any scatter. zero.Init checks before each parameter's scatter (one all-reduce of 8 bytes each); after it,
+  each rank-local step runs under the same failure handling and every scatter still runs, the next status check
+  raising what failed;
+- a rank that fails before its model exists (a checkpoint file missing on its node: the shard index, the config;
+  zero.Init) joins a status check from its outermost `from_pretrained` / `_from_config` / `AutoConfig.from_pretrained`,
+  which meets the others' before zero.Init's first scatter: every rank raises its error. Where the others are in a
+  collective that is not a status check, it waits `patch(failure_wait_s=60)` at most and raises its own error with
+  a note (they stay in theirs until its timeout, as stock);
 - `patch(verify=True)` also compares, after every scatter, a checksum of each rank's partition with rank 0's slice of
   the full values it scattered (position-weighted byte sums), and raises on every rank naming the parameter and rank.
 
@@ -152,21 +164,6 @@ def _valid(numel: int, part: int, rank: int) -> int:
     return max(0, min(part, numel - rank * part))
 
 
-def _pieces(flat: torch.Tensor, part: int, world: int) -> list[torch.Tensor]:
-    """Rank 0's scatter list: each rank's slice of `flat` as bytes (a padded copy where the slice is short)."""
-    out = []
-    for r in range(world):
-        n = _valid(flat.numel(), part, r)
-        if n == part:
-            out.append(flat.narrow(0, r * part, part).view(torch.uint8))
-        else:
-            buf = torch.zeros(part, dtype=flat.dtype, device=flat.device)
-            if n > 0:
-                buf.narrow(0, 0, n).copy_(flat.narrow(0, r * part, n))
-            out.append(buf.view(torch.uint8))
-    return out
-
-
 def _comm_device() -> torch.device:
     """Where DeepSpeed's own collectives put their buffers (the accelerator's current device; the CPU on DeepSpeed's
     CPU accelerator). A partition kept elsewhere (ZeRO-Offload on the host under NCCL) travels through a copy."""
@@ -175,27 +172,45 @@ def _comm_device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
-def _receive_slice(target: torch.Tensor, valid: int, part: int, src: int, group: Any) -> int:
-    """Receive this rank's slice (a scatter from `src` of `part` elements) and write its first `valid` elements into
-    `target` (1-D, at least `valid` elements): directly when the slice has no padding and `target` is on the
-    communication device, else through a buffer of `part` elements. Returns the bytes written."""
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer the loading collectives allocate for themselves (receive buffers, rank 0's own slice and padded
+    slices, the verification's checksums) comes from here, before the first scatter it serves; tests cap it."""
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _receive_buffer(target: torch.Tensor, valid: int, part: int) -> torch.Tensor:
+    """Where this rank's scatter of `part` elements lands: `target` (1-D) itself when the slice has no padding and
+    `target` is contiguous on the communication device, else a scratch buffer (a padded last partition, a partition
+    kept on the host under ZeRO-Offload). Allocated before the scatter, so that a failure is agreed before it."""
     device = _comm_device()
     if valid == part and target.numel() == part and target.is_contiguous() and target.device == device:
-        _dist().scatter(target.view(torch.uint8), None, src=src, group=group)
-    else:
-        tmp = torch.empty(part, dtype=target.dtype, device=device)
-        _dist().scatter(tmp.view(torch.uint8), None, src=src, group=group)
-        if valid > 0:
-            target.narrow(0, 0, valid).copy_(tmp.narrow(0, 0, valid))
+        return target
+    return _scratch(part, target.dtype, device)
+
+
+def _finish_receive(target: torch.Tensor, buf: torch.Tensor, valid: int) -> int:
+    """Copy the first `valid` received elements from `buf` into `target` (nothing when it received in place).
+    Returns the bytes written."""
+    if buf is not target and valid > 0:
+        target.narrow(0, 0, valid).copy_(buf.narrow(0, 0, valid))
     return valid * target.element_size()
 
 
-def _send_slices(flat: torch.Tensor, part: int, world: int, src: int, group: Any) -> torch.Tensor:
-    """Rank 0's side of the scatter; returns its own slice (a separate buffer, never an alias of the input)."""
-    pieces = _pieces(flat, part, world)
-    own = torch.empty(part, dtype=flat.dtype, device=flat.device)
-    _dist().scatter(own.view(torch.uint8), pieces, src=src, group=group)
-    return own
+def _send_buffers(flat: torch.Tensor, part: int, world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Rank 0's scatter list (each rank's slice of `flat` as bytes, a padded copy where the slice is short) and the
+    buffer its own slice lands in (never an alias of the input), allocated before the scatter."""
+    pieces = []
+    for r in range(world):
+        n = _valid(flat.numel(), part, r)
+        if n == part:
+            pieces.append(flat.narrow(0, r * part, part).view(torch.uint8))
+        else:
+            buf = _scratch(part, flat.dtype, flat.device)
+            buf.narrow(0, n, part - n).zero_()
+            if n > 0:
+                buf.narrow(0, 0, n).copy_(flat.narrow(0, r * part, n))
+            pieces.append(buf.view(torch.uint8))
+    return pieces, _scratch(part, flat.dtype, flat.device)
 
 
 # --------------------------------------------------------------------------- failing together, verifying
@@ -205,7 +220,7 @@ class Zero3LoadError(RuntimeError):
     """Raised on a rank whose own part succeeded while another rank failed: the message quotes that rank's error."""
 
 
-_settings = {"verify": False}  # patch(verify=...)
+_settings: dict[str, Any] = {"verify": False, "failure_wait_s": 60.0}  # patch(...)
 _AGREED = "_hsoffload_zero3_agreed"  # set on an exception every rank raised at the same status check
 
 
@@ -225,30 +240,70 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _agree(failure: Optional[BaseException], stage: str, group: Any = None) -> None:
+_pending = threading.local()  # .failure: a rank-local failure after a scatter of zero.Init, raised at the next check
+
+
+def _defer(failure: BaseException) -> None:
+    """Keep a failure of a step after a collective (where no status check follows at once) for the next status check
+    on this thread, which every rank runs at the same point: it raises there on every rank."""
+    if getattr(_pending, "failure", None) is None:
+        _pending.failure = failure
+
+
+class Zero3StatusTimeout(Zero3LoadError):
+    """A rank that failed before the others could reach a status check waited for them no longer than its bound."""
+
+
+def _agree(failure: Optional[BaseException], stage: str, group: Any = None,
+           timeout_s: Optional[float] = None) -> None:
     """A status check: every rank of `group` (default: the world) calls it at the same point of the same code. When no
     rank failed, returns. Otherwise every rank raises here: a rank that failed its own exception, the others a
     Zero3LoadError quoting the message of the lowest failed rank (broadcast from it), so that none goes on into a
-    collective the failed ranks will never join."""
+    collective the failed ranks will never join. A failure deferred on this thread (`_defer`) counts as this call's.
+
+    `timeout_s` bounds the wait of a rank that failed where the others may not be at a status check (before the model
+    exists): past it, it raises its own failure with a note instead of waiting for the collectives' timeout."""
     dist = _dist()
+    deferred = getattr(_pending, "failure", None)
+    if deferred is not None:
+        _pending.failure = None
+        failure = failure or deferred
     world = dist.get_world_size(group=group)
     rank = dist.get_rank(group=group)
     flag = torch.tensor([rank if failure is not None else world], dtype=torch.int64, device=_comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if timeout_s is None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    else:
+        import datetime  # noqa: PLC0415
+
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as wait_error:  # noqa: BLE001  (the timeout, or a peer that is gone)
+            note = (f"hsoffload.zero3_loading: this rank (rank {dist.get_rank()}) failed while {stage}, and the other "
+                    f"ranks did not reach a status check within {timeout_s:g} s ({_describe(wait_error)}); they may "
+                    "wait in their next collective until its timeout: stop them (or let the launcher do it) and fix "
+                    "this rank's error")
+            logger.error("%s: %s", note, _describe(failure) if failure is not None else "(no failure)")
+            if failure is None:
+                raise Zero3StatusTimeout(note) from wait_error
+            raise _mark(failure) from Zero3StatusTimeout(note)
     _add(status_checks=1)
     src = int(flag.item())
     if src == world:
         return
-    message = [_describe(failure) if rank == src and failure is not None else None]
+    # the failed rank's message and its own stage (it may have failed elsewhere: before its model existed)
+    message = [(_describe(failure), stage) if rank == src and failure is not None else None]
     src_global = dist.get_global_rank(group, src) if group is not None else src
     dist.broadcast_object_list(message, src=src_global, group=group)
+    quoted, stage = message[0]
     if failure is not None:
         logger.error("hsoffload.zero3_loading: this rank failed while %s; every rank raises: %s", stage,
                      _describe(failure))
         raise _mark(failure)
     raise _mark(Zero3LoadError(
         f"hsoffload.zero3_loading: rank {src_global} failed while {stage}, so this rank (rank {dist.get_rank()}) "
-        f"stops too instead of waiting in a collective for it. Fix what rank {src_global} reports: {message[0]}"))
+        f"stops too instead of waiting in a collective for it. Fix what rank {src_global} reports: {quoted}"))
 
 
 _CHECKSUM_CHUNK = 1 << 22  # bytes per step: the int64 temporaries stay at 8x this (32 MiB)
@@ -268,28 +323,52 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@dataclasses.dataclass
+class _VerifyBuffers:
+    """The verification's buffers for `count` parameters, allocated before the scatters it follows: this rank's
+    checksums (`local`), rank 0's gathered ones (`got`), and a zero checksum standing in for one a failed step did not
+    compute (the gather still runs; the failure is raised at the status check)."""
+
+    local: torch.Tensor
+    got: Optional[list[torch.Tensor]]
+    zero: torch.Tensor
+
+    @staticmethod
+    def allocate(count: int, world: int, is_src: bool) -> "_VerifyBuffers":
+        device = _comm_device()
+        local = _scratch(count * 2, torch.int64, device).view(count, 2).zero_()
+        got = [_scratch(count * 2, torch.int64, device).view(count, 2) for _ in range(world)] if is_src else None
+        return _VerifyBuffers(local, got, _scratch(2, torch.int64, device).zero_())
+
+
 def _verify_partitions(labels: list[str], mine: list[torch.Tensor], expected: Optional[list[list[torch.Tensor]]],
-                       src: int, group: Any) -> Optional[Exception]:
+                       src: int, group: Any, buffers: _VerifyBuffers) -> Optional[Exception]:
     """Gather every rank's partition checksums (`mine`, one per parameter) to group rank 0 (global rank `src`),
     which compares them with `expected[rank][i]`, the checksums of its slices of the full values it scattered.
-    Returns rank 0's mismatch error (None elsewhere and when all match): the caller's status check raises it
-    everywhere."""
+    Returns rank 0's mismatch error, or the error of a local step (None when all match): the caller's status check
+    raises it everywhere. The gather runs whatever failed here."""
     dist = _dist()
     world = dist.get_world_size(group=group)
-    device = _comm_device()
-    local = torch.stack(mine).to(device) if mine else torch.zeros(0, 2, dtype=torch.int64, device=device)
+    failure: Optional[Exception] = None
+    try:
+        for i, c in enumerate(mine):
+            buffers.local[i].copy_(c)
+    except Exception as e:  # noqa: BLE001
+        failure = e
     _add(verified_params=len(mine))
-    if expected is None:
-        dist.gather(local, None, dst=src, group=group)
-        return None
-    got = [torch.empty_like(local) for _ in range(world)]
-    dist.gather(local, got, dst=src, group=group)
-    bad = []
-    for r in range(world):
-        want = torch.stack(expected[r]).to(device) if mine else local
-        for i in torch.nonzero((got[r] != want).any(dim=1)).flatten().tolist():
-            bad.append(f"{labels[i]} on group rank {r}: partition checksum {got[r][i].tolist()}, rank 0's slice "
-                       f"{want[i].tolist()}")
+    dist.gather(buffers.local, buffers.got, dst=src, group=group)
+    if expected is None or buffers.got is None or failure is not None:
+        return failure
+    try:
+        bad = []
+        for r in range(world):
+            for i in range(len(mine)):
+                got, want = buffers.got[r][i], expected[r][i].to(buffers.got[r].device)
+                if not torch.equal(got, want):
+                    bad.append(f"{labels[i]} on group rank {r}: partition checksum {got.tolist()}, rank 0's slice "
+                               f"{want.tolist()}")
+    except Exception as e:  # noqa: BLE001
+        return e
     if not bad:
         return None
     return RuntimeError(
@@ -352,33 +431,70 @@ def _make_zero_init_param(original: Callable[..., Any], patch: Any) -> Callable[
             _add(stock_params=1)
             log_once(f"zero3-init-stock:{reason}", logging.INFO,
                      "hsoffload.zero3_loading: zero.Init keeps DeepSpeed's broadcast (%s)", reason)
+            if world > 1:  # as before a scatter: meets a rank that failed earlier (or before the model existed)
+                _agree(None, f"zero.Init's broadcast of {_label(param)}", group)
             _dist().broadcast(param.data.view(torch.uint8), src, group=group)
             param.partition()
             return
         part = self._aligned_size(param) // self._partition_world_size(param)  # as _partition_param computes it
-        flat = param.data.view(-1)
         valid = _valid(param.ds_numel, part, rank)
+        verify = _settings["verify"]
+        receives = _decide(param, rank)
+        # Every buffer of this parameter's scatter first, then a status check, then the scatter: a rank that cannot
+        # allocate (or that failed before, outside: its outermost from_pretrained/from_config joins this check) makes
+        # every rank raise here, none is left in the scatter. It also meets the status check of a rank that failed
+        # before the model existed (_make_outer).
+        failure: Optional[Exception] = None
+        buf = target = flat = own = None
+        pieces: Optional[list[torch.Tensor]] = None
+        checks: Optional[_VerifyBuffers] = None
         expected: Optional[list[list[torch.Tensor]]] = None
-        if _decide(param, rank):
-            # DeepSpeed allocates the partition and frees the full-size buffer, which nothing wrote: reading its
-            # untouched pages maps the kernel's zero page, so it never becomes resident (nor kept by the allocator).
-            # Rank 0's values then go straight into the partition.
-            full = flat.numel() * flat.element_size()
-            del flat
-            param.partition()
-            got = _receive_slice(param.ds_tensor, valid, part, src, group)
-            _add(scattered_params=1, received_params=1, received_bytes=got, skipped_full_bytes=full - got)
+        try:
+            if receives:
+                # DeepSpeed allocates the partition and frees the full-size buffer, which nothing wrote: reading its
+                # untouched pages maps the kernel's zero page, so it never becomes resident (nor kept by the
+                # allocator). Rank 0's values then go straight into the partition.
+                param.partition()
+                target = param.ds_tensor
+                buf = _receive_buffer(target, valid, part)
+            else:
+                flat = param.data.view(-1)
+                pieces, own = _send_buffers(flat, part, world)
+                if verify:
+                    expected = [[c] for c in _slice_checksums(flat, part, world)]
+            if verify:
+                checks = _VerifyBuffers.allocate(1, world, not receives)
+        except Exception as e:  # noqa: BLE001  (raised on every rank by the status check)
+            failure = e
+        _agree(failure, f"allocating the buffers of zero.Init's scatter of {_label(param)}", group)
+        full_bytes = param.ds_numel * param.element_size()
+        if receives:
+            assert buf is not None and target is not None
+            _dist().scatter(buf.view(torch.uint8), None, src=src, group=group)
+            try:
+                got = _finish_receive(target, buf, valid)
+                _add(scattered_params=1, received_params=1, received_bytes=got, skipped_full_bytes=full_bytes - got)
+            except Exception as e:  # noqa: BLE001  (raised on every rank at the next status check)
+                failure = e
         else:
-            if _settings["verify"]:
-                expected = [[c] for c in _slice_checksums(flat, part, world)]
-            _send_slices(flat, part, world, src, group)
-            _add(scattered_params=1)
-            del flat
-            param.partition()
-        if _settings["verify"]:
-            mine = [_checksum(param.ds_tensor.narrow(0, 0, valid))]
-            failure = _verify_partitions([_label(param)], mine, expected, src, group)
-            _agree(failure, "verifying zero.Init's partitions", group)
+            assert own is not None
+            _dist().scatter(own.view(torch.uint8), pieces, src=src, group=group)
+            del flat, pieces, own
+            try:
+                param.partition()
+                _add(scattered_params=1)
+            except Exception as e:  # noqa: BLE001
+                failure = e
+        if verify:
+            assert checks is not None
+            try:
+                mine = [_checksum(param.ds_tensor.narrow(0, 0, valid))] if failure is None else [checks.zero]
+            except Exception as e:  # noqa: BLE001
+                failure, mine = failure or e, [checks.zero]
+            mismatch = _verify_partitions([_label(param)], mine, expected, src, group, checks)
+            _agree(failure or mismatch, "verifying zero.Init's partitions", group)
+        elif failure is not None:
+            _defer(failure)  # the next status check (the next parameter's, or the load's) raises it on every rank
 
     return _zero_init_param
 
@@ -459,16 +575,48 @@ class RootGatheredParameters:
                 _add(gathered_params=1)
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
-        # Every scatter runs, whatever failed on this rank (as DeepSpeed's exit broadcasts always run): the receiving
-        # ranks are waiting in them. Then a status check raises any rank's failure on every rank.
+        # Rank 0's values and every buffer of every scatter first (a receive buffer where the slice is padded or the
+        # partition lives off the communication device, rank 0's own and padded slices, the verification's), then one
+        # status check: a failure of the body or of an allocation raises on every rank there, before any scatter.
+        # After it, every scatter runs whatever fails on this rank (each local step is an `attempt`; nothing there
+        # allocates but the verification's checksums), and a last status check raises any failure on every rank.
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+        full_copies, self._full = self._full, []
+        if isinstance(exc, Exception) and _agreed(exc):
+            # raised at a status check on every rank: none of them scatters, every rank's exception goes on
+            _release_full_copies(self._params, full_copies, ZeroParamStatus)
+            return None
         failure: Optional[BaseException] = exc if isinstance(exc, Exception) else None
         verify = _settings["verify"]
-        labels: list[str] = []
-        mine: list[torch.Tensor] = []
+        steps: list[_ExitStep] = []
+        checks: Optional[_VerifyBuffers] = None
         expected: Optional[list[list[torch.Tensor]]] = None
         src = 0
+        try:
+            for p, full in zip(self._params, full_copies):
+                rank, world, src = _group_facts(p.ds_process_group)
+                part = p.ds_tensor.ds_numel
+                step = _ExitStep(p, part, _valid(p.ds_numel, part, rank))
+                if full is None:
+                    step.buf = _receive_buffer(p.ds_tensor, step.valid, part)
+                elif failure is None:  # rank 0 after a body that succeeded
+                    flat = _flat_values(p)
+                    step.pieces, step.buf = _send_buffers(flat, part, world)
+                    if verify:
+                        expected = expected or [[] for _ in range(world)]
+                        for r, c in enumerate(_slice_checksums(flat, part, world)):
+                            expected[r].append(c)
+                steps.append(step)
+            if verify and self._params:
+                checks = _VerifyBuffers.allocate(len(steps), _dist().get_world_size(group=self._group()),
+                                                 any(full is not None for full in full_copies))
+        except Exception as e:  # noqa: BLE001  (raised on every rank by the status check)
+            failure = failure or e
+        if failure is not None:
+            _release_full_copies(self._params, full_copies, ZeroParamStatus)
+        _agree(failure, "inside GatheredParameters (rank 0's init or load of gathered parameters, or allocating the "
+               "buffers of the scatters that follow it)", self._group())
 
         def attempt(step: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
             """A rank-local step between the collectives: its failure is raised on every rank at the status check
@@ -480,51 +628,72 @@ class RootGatheredParameters:
                 failure = failure or e
                 return fallback()
 
-        def zero_sum() -> torch.Tensor:
-            return torch.zeros(2, dtype=torch.int64, device=_comm_device())
-
-        for p, full in zip(self._params, self._full):
-            group = p.ds_process_group
-            rank, world, src = _group_facts(group)
-            part = p.ds_tensor.ds_numel
-            n = _valid(p.ds_numel, part, rank)
-            if full is None:
-                got = _receive_slice(p.ds_tensor, n, part, src, group)
-                _add(received_params=1, received_bytes=got)
-                if _TEST_HOOKS["after_receive"] is not None:
-                    _TEST_HOOKS["after_receive"](_label(p), p.ds_tensor)
+        labels: list[str] = []
+        mine: list[torch.Tensor] = []
+        for step in steps:
+            p, group = step.param, step.param.ds_process_group
+            assert step.buf is not None
+            _dist().scatter(step.buf.view(torch.uint8), step.pieces, src=src, group=group)
+            if step.pieces is None:
+                attempt(functools.partial(_exit_received, step), lambda: None)
             else:
-                try:
-                    flat = _flat_values(p)
-                except Exception as e:  # noqa: BLE001  (raised below, on every rank, after the scatters)
-                    failure = failure or e
-                    flat = full.narrow(0, 0, p.ds_numel)  # something of the right size, so the receivers finish
-                if verify:
-                    expected = expected or [[] for _ in range(world)]
-                    sums = attempt(lambda: _slice_checksums(flat, part, world), lambda: [zero_sum()] * world)
-                    for r, c in enumerate(sums):
-                        expected[r].append(c)
-                own = _send_slices(flat, part, world, src, group)
-
-                def keep_own(p: Any = p, own: torch.Tensor = own, n: int = n) -> None:
-                    if n > 0:
-                        p.ds_tensor.narrow(0, 0, n).copy_(own.narrow(0, 0, n))
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-                    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
-
-                attempt(keep_own, lambda: None)
+                attempt(functools.partial(_exit_kept_own, step, ZeroParamStatus), lambda: None)
+            step.pieces = step.buf = None
             if verify:
+                assert checks is not None
                 labels.append(_label(p))
-                mine.append(attempt(lambda p=p, n=n: _checksum(p.ds_tensor.narrow(0, 0, n)), zero_sum))
-        self._full = []
-        if verify and self._params:
+                mine.append(attempt(lambda p=p, n=step.valid: _checksum(p.ds_tensor.narrow(0, 0, n)),
+                                    lambda: checks.zero))
+        if verify and checks is not None:
             # Every rank gathers, whatever failed here: a rank skipping it would leave the others in the gather.
-            mismatch = _verify_partitions(labels, mine, expected, src, self._group())
+            mismatch = _verify_partitions(labels, mine, expected, src, self._group(), checks)
             failure = failure or mismatch
-        if failure is not None and failure is exc and _agreed(exc):
-            return None  # already raised on every rank (a nested status check)
-        _agree(failure, "inside GatheredParameters (rank 0's init or load of gathered parameters)", self._group())
+        _agree(failure, "inside GatheredParameters (copying the scattered slices into the partitions)", self._group())
         return None
+
+
+@dataclasses.dataclass
+class _ExitStep:
+    """One parameter's scatter at a RootGatheredParameters exit: where it lands (`buf`: the partition itself or a
+    scratch buffer; rank 0's own slice) and, on rank 0, what it sends (`pieces`)."""
+
+    param: Any
+    part: int
+    valid: int
+    buf: Optional[torch.Tensor] = None
+    pieces: Optional[list[torch.Tensor]] = None
+
+
+def _exit_received(step: _ExitStep) -> None:
+    p = step.param
+    assert step.buf is not None
+    got = _finish_receive(p.ds_tensor, step.buf, step.valid)
+    _add(received_params=1, received_bytes=got)
+    if _TEST_HOOKS["after_receive"] is not None:
+        _TEST_HOOKS["after_receive"](_label(p), p.ds_tensor)
+
+
+def _exit_kept_own(step: _ExitStep, status: Any) -> None:
+    """Rank 0: its own slice into its partition, its full copy released."""
+    p = step.param
+    assert step.buf is not None
+    if step.valid > 0:
+        p.ds_tensor.narrow(0, 0, step.valid).copy_(step.buf.narrow(0, 0, step.valid))
+    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    p.ds_status = status.NOT_AVAILABLE
+
+
+def _release_full_copies(params: list[Any], full_copies: list[Optional[torch.Tensor]], status: Any) -> None:
+    """Rank 0 before raising at an exit that scatters nothing: its full copies released, its partitions as they
+    were (nothing was scattered). Best effort: the failure that brought us here is what every rank raises."""
+    for p, full in zip(params, full_copies):
+        if full is None:
+            continue
+        try:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.ds_status = status.NOT_AVAILABLE
+        except Exception:  # noqa: BLE001
+            logger.debug("hsoffload.zero3_loading: could not release a gathered copy after a failure", exc_info=True)
 
 
 def _flat_values(p: Any) -> torch.Tensor:
@@ -577,6 +746,57 @@ def _armed_call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return func(*args, **kwargs)
     finally:
         _armed.depth -= 1
+
+
+# ------------------------------------------------------------------ from_pretrained / from_config: failing together
+
+
+_outer = threading.local()  # .depth: nesting of the patched from_pretrained / _from_config on this thread
+
+
+def _zero3_world() -> bool:
+    """ZeRO-3 on (an HfDeepSpeedConfig alive) with more than one rank: where the outermost load agrees."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    dist = _dist()
+    return is_deepspeed_zero3_enabled() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _make_outer(previous: Any, patch: Any, on_success: bool = True) -> Any:
+    """`PreTrainedModel.from_pretrained` / `_from_config` (classmethods) ending with a status check on every rank.
+
+    A rank that fails before its model exists (a checkpoint file missing on its node, its config, zero.Init) raises
+    out of here while the others build theirs: its status check meets theirs before zero.Init's first scatter (every
+    parameter's scatter is preceded by one), so every rank raises its error. Where they are in a collective that is
+    not a status check, it waits `failure_wait_s` at most and raises its own error with a note (the others then stay
+    until their collective's timeout, as stock). A success ends with one status check too: a failure deferred after
+    the last scatter of zero.Init raises on every rank there (`on_success`; not for AutoConfig, which a script may
+    call on one rank alone)."""
+    func = previous.__func__
+
+    @functools.wraps(func)
+    def outer(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_outer, "depth", 0)
+        if not patch.active or depth > 0 or not _zero3_world():
+            return func(cls, *args, **kwargs)
+        _outer.depth = depth + 1
+        try:
+            try:
+                result = func(cls, *args, **kwargs)
+            except Exception as e:
+                if _agreed(e):
+                    raise
+                _agree(e, f"building the model ({cls.__name__}.{func.__name__}: before the other ranks' status "
+                       "check, e.g. resolving its files, reading its config, zero.Init)",
+                       timeout_s=_settings["failure_wait_s"])
+                raise
+            if on_success:
+                _agree(None, f"finishing {cls.__name__}.{func.__name__}")
+            return result
+        finally:
+            _outer.depth = depth
+
+    return classmethod(outer)
 
 
 # ------------------------------------------------------------------ from_pretrained: no weight reads off rank 0
@@ -934,6 +1154,12 @@ def _pretrained_model_class() -> Any:
     return PreTrainedModel
 
 
+def _auto_config_class() -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig
+
+
 def _make_armed(original: Callable[..., Any], patch: Any) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -957,20 +1183,35 @@ LOAD_ZERO3 = _AttrPatch(_hf_ds_module, "_load_state_dict_into_zero3_model", _mak
 LOAD_ZERO3_MODELING = _AttrPatch(_hf_modeling_module, "_load_state_dict_into_zero3_model", _make_checked_load)
 LOAD_PRETRAINED = _AttrPatch(_pretrained_model_class, "_load_pretrained_model", _make_load_pretrained)
 META_LOAD = _AttrPatch(_hf_modeling_module, "load_state_dict", _make_meta_load)
-_PATCHES = (ZERO_INIT_PARAM, GATHERED, INITIALIZE_WEIGHTS, LOAD_ZERO3, LOAD_ZERO3_MODELING, LOAD_PRETRAINED, META_LOAD)
+FROM_PRETRAINED = _AttrPatch(_pretrained_model_class, "from_pretrained", _make_outer)
+FROM_CONFIG = _AttrPatch(_pretrained_model_class, "_from_config", _make_outer)
+# The Auto classes read the config before they call the model class's: a config missing on one rank fails there
+# (each Auto model class has its own copy of from_pretrained; the config they read first comes from AutoConfig: a
+# failure there agrees, a success does not, since a config may be read on one rank alone)
+AUTO_CONFIG = _AttrPatch(_auto_config_class, "from_pretrained", functools.partial(_make_outer, on_success=False))
+_PATCHES = (ZERO_INIT_PARAM, GATHERED, INITIALIZE_WEIGHTS, LOAD_ZERO3, LOAD_ZERO3_MODELING, LOAD_PRETRAINED, META_LOAD,
+            FROM_PRETRAINED, FROM_CONFIG, AUTO_CONFIG)
 _lock = threading.Lock()
 
 
-def patch(verify: bool = False) -> None:
+def patch(verify: bool = False, failure_wait_s: float = 60.0) -> None:
     """Install the root-only collectives (idempotent; the last call's `verify` holds). Call it on every rank, with
     the same `verify`, before building or loading the model under ZeRO-3. `verify=True` compares a checksum of every
     partition after each scatter with rank 0's slice of the values it scattered (a gather of 16 bytes per parameter
     and the checksums' reads of every byte once more: for tests and first runs of a new set-up). Raises ImportError
-    without DeepSpeed or transformers, TypeError for a `verify` that is not a bool."""
+    without DeepSpeed or transformers, TypeError for a `verify` that is not a bool.
+
+    `failure_wait_s`: how long a rank that failed before its model existed waits for the other ranks' status check
+    before it raises its own error alone (they reach one before zero.Init's first scatter; a rank that is elsewhere,
+    in a collective of someone else's, is not waited for longer). ValueError unless a number > 0."""
     if not isinstance(verify, bool):
         raise TypeError(f"hsoffload.zero3_loading.patch: verify must be True or False, got {verify!r}")
+    if isinstance(failure_wait_s, bool) or not isinstance(failure_wait_s, (int, float)) or not failure_wait_s > 0:
+        raise ValueError(f"hsoffload.zero3_loading.patch: failure_wait_s must be a number of seconds > 0, got "
+                         f"{failure_wait_s!r} (default 60)")
     with _lock:
         _settings["verify"] = verify
+        _settings["failure_wait_s"] = float(failure_wait_s)
         _hf_modeling_module()  # imported first, so that it holds transformers' own function, not our wrapper of it
         for p in _PATCHES:
             p.install()

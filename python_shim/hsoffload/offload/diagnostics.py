@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -37,11 +37,18 @@ def _report_bypass(name: str, reason: str) -> None:
     log_once(f"bypass:{name}", logging.WARNING, "hsoffload: %s: %s.", name, reason)
 
 
+def _str_attr(obj: Any, name: str) -> str:
+    value = getattr(obj, name, None)
+    return value if isinstance(value, str) else ""
+
+
 def bypass_reason(layer: torch.nn.Module) -> Optional[str]:
     """Why the offload hooks cannot see this layer's saved inputs, or None."""
     func, _ = checkpoint_function(layer)
-    qualname = getattr(func, "__qualname__", "")
-    module = getattr(func, "__module__", None) or ""
+    # Read once each and kept only as strings: the function may be any object of the user's (a mock, a proxy answers
+    # every attribute with another object)
+    qualname = _str_attr(func, "__qualname__")
+    module = _str_attr(func, "__module__")
     if module == "deepspeed" or module.startswith("deepspeed."):
         # deepspeed.checkpointing.checkpoint (DeepSpeed's activation checkpointing, also what Megatron-style models
         # install) keeps the checkpoint's inputs on its autograd function's context, not as saved tensors.

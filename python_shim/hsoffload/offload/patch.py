@@ -44,7 +44,7 @@ from .policy import chooses_per_layer, marks_layer_inputs
 from .scope import OffloadScope
 from ..targets import (
     LAYER_ATTR,
-    MARKING_WRAPPER_ATTR,
+    MarkingWrapper,
     checkpoint_wrapper_class,
     first_param_is_hidden_states,
     layer_checkpoints_in_forward,
@@ -145,12 +145,12 @@ def _call_marking_at_checkpoint(previous: Callable[..., Any], layer: torch.nn.Mo
             diagnostics.report_missing_hidden_states(layer)
         return checkpoint_fn(function, *cargs, **ckwargs)
 
-    setattr(mark_then_checkpoint, MARKING_WRAPPER_ATTR, checkpoint_fn)
-    layer.__dict__[LAYER_ATTR] = mark_then_checkpoint
+    wrapper = MarkingWrapper(checkpoint_fn, mark_then_checkpoint)
+    layer.__dict__[LAYER_ATTR] = wrapper
     try:
         out = previous(layer, *args, **kwargs)
     finally:
-        if layer.__dict__.get(LAYER_ATTR) is mark_then_checkpoint:
+        if layer.__dict__.get(LAYER_ATTR) is wrapper:
             restored = unwrap_marking(own)
             if restored is None:
                 del layer.__dict__[LAYER_ATTR]

@@ -290,13 +290,28 @@ class _ScopedCheckpoint:
             state.pending = None
 
 
+def _sac_modes(contexts: Any) -> tuple[Any, Any]:
+    """(forward mode, recompute mode) when `contexts` (what a checkpoint's context_fn returned) is the pair torch's
+    `create_selective_checkpoint_contexts` makes, else (None, None). Recognised by torch's own types, never by their
+    attributes: a user's context_fn may return objects that answer every attribute (mocks, proxies; issue 52)."""
+    if not (isinstance(contexts, tuple) and len(contexts) == 2):
+        return None, None
+    fwd, rec = contexts
+    caching = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
+    cached = getattr(torch.utils.checkpoint, "_CachedTorchDispatchMode", None)
+    if caching is None or cached is None or not (isinstance(fwd, caching) and isinstance(rec, cached)):
+        return None, None
+    return fwd, rec
+
+
 def _unscoped_contexts(context_fn: Callable[[], Any]) -> Any:
     contexts = context_fn()
-    policy_fn = getattr(contexts[0], "policy_fn", None) if isinstance(contexts, tuple) and len(contexts) == 2 else None
+    fwd, rec = _sac_modes(contexts)
+    policy_fn = getattr(fwd, "policy_fn", None) if fwd is not None else None
     if callable(policy_fn):
-        contexts[0].policy_fn = _UnscopedPolicyFn(policy_fn)
-        if hasattr(contexts[1], "policy_fn"):
-            contexts[1].policy_fn = contexts[0].policy_fn
+        fwd.policy_fn = _UnscopedPolicyFn(policy_fn)
+        if hasattr(rec, "policy_fn"):  # torch's own recompute mode (checked above): torch 2.11 asks it again
+            rec.policy_fn = fwd.policy_fn
     return contexts
 
 
@@ -305,8 +320,8 @@ def _prepare(contexts: Any, call: _SacCall, respect: Optional[bool], name: str) 
     tensors reach the scope's pack hook), False when they bypass the hooks (then the cache storage is swapped for an
     offloading one where offloads are possible)."""
     sac_policy = offloads_sac_saves(call.scope.config.policy)
-    fwd, rec = contexts if isinstance(contexts, tuple) and len(contexts) == 2 else (None, None)
-    policy_fn = getattr(fwd, "policy_fn", None)
+    fwd, rec = _sac_modes(contexts)
+    policy_fn = getattr(fwd, "policy_fn", None) if fwd is not None else None
     if not callable(policy_fn):
         if sac_policy and call.offload_allowed:
             _say_unknown_context(name)
@@ -441,7 +456,9 @@ def pack_sac_value(value: Any, pack_tensor: Callable[[torch.Tensor], Optional[to
 
 
 def _is_version_wrapper(v: Any) -> bool:
-    return hasattr(v, "get_val") and hasattr(v, "val") and hasattr(v, "version")
+    """Whether `v` is torch's SAC cache wrapper (by its type: a cached value may answer any attribute)."""
+    wrapper = getattr(torch.utils.checkpoint, "_VersionWrapper", None)
+    return wrapper is not None and isinstance(v, wrapper)
 
 
 # ------------------------------------------------------------------------------------------------ layers
