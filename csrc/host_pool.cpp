@@ -28,6 +28,12 @@ int64_t pow2_ceil(int64_t n) {
   while (p < n) p *= 2;
   return p;
 }
+// A free-range node of its own (allocates; never on a give-back).
+FreeRanges::node_type new_free_node() {
+  FreeRanges one;
+  one.emplace(0, 0);
+  return one.extract(one.begin());
+}
 }  // namespace
 
 at::Tensor default_host_alloc(int64_t bytes, bool pinned) {
@@ -102,16 +108,28 @@ void HostPool::take_locked(Slab& slab, int64_t slab_id, int64_t offset, int64_t 
   auto it = slab.free.find(offset);
   TORCH_INTERNAL_ASSERT(it != slab.free.end() && it->second >= length);
   const int64_t rest = it->second - length;
-  slab.free.erase(it);
-  if (rest > 0) {
-    slab.free.emplace(offset + length, rest);
-  }
-  slab.free_bytes -= length;
   int64_t lent = 0;
   for (const auto& p : block.extents_) lent += p.numel();
   const int64_t used = std::min(length, block.bytes_ - lent);  // the last extent ends at bytes(), not at the granule
-  block.extents_.push_back(slab.buffer.narrow(0, offset, used));
-  block.places_.push_back(HostBlock::Place{slab_id, offset, length});
+  // Everything that may throw first (the new extent's tensor, room in the block, a spare node): the free ranges
+  // change only after.
+  at::Tensor extent = slab.buffer.narrow(0, offset, used);
+  block.extents_.reserve(block.extents_.size() + 1);
+  block.places_.reserve(block.places_.size() + 1);
+  FreeRanges::node_type spare = rest > 0 ? new_free_node() : FreeRanges::node_type();
+  FreeRanges::node_type node = slab.free.extract(it);
+  if (rest > 0) {
+    node.key() = offset + length;  // the range's node keeps its remainder
+    node.mapped() = rest;
+    slab.free.insert(std::move(node));
+  } else {
+    spare = std::move(node);  // the whole range is lent: its node is the extent's spare
+  }
+  slab.free_bytes -= length;
+  stats_.in_use_bytes += length;  // per extent: a serve that throws half way is given back exactly
+  stats_.cached_bytes -= length;
+  block.extents_.push_back(std::move(extent));
+  block.places_.push_back(HostBlock::Place{slab_id, offset, length, std::move(spare)});
 }
 
 int64_t HostPool::free_bytes_locked(bool pinned) const {
@@ -159,8 +177,6 @@ bool HostPool::serve_locked(int64_t need, bool pinned, HostBlock& block) {
     }
     TORCH_INTERNAL_ASSERT(left == 0);
   }
-  stats_.in_use_bytes += need;
-  stats_.cached_bytes -= need;
   return true;
 }
 
@@ -245,10 +261,14 @@ HostBlock HostPool::acquire(int64_t bytes, bool pinned) {
   bool grew = false;
   for (;;) {
     reap_pending_locked();
+    // Room for this block in the pending list, should it come back while its copy runs: give_back allocates nothing.
+    pending_.reserve(pending_.size() + static_cast<size_t>(lent_) + 1);
+    ++lent_;  // before any extent is taken: a serve that throws half way gives its extents back (and this) in ~block
     if (serve_locked(need, pinned, block)) {
       if (!grew) stats_.reuses += 1;
       return block;
     }
+    --lent_;
     // New slabs for what the free ranges cannot cover.
     const std::vector<int64_t> sizes = grow_sizes_locked(need - free_bytes_locked(pinned), pinned);
     if (sizes.empty()) {
@@ -257,7 +277,7 @@ HostBlock HostPool::acquire(int64_t bytes, bool pinned) {
       const int64_t own_bytes = pinned ? pow2_ceil(need) : need;
       std::vector<at::Tensor> own = allocate_unlocked(lock, {own_bytes}, pinned, /*touch=*/false);
       block.extents_.push_back(own.front().narrow(0, 0, bytes));
-      block.places_.push_back(HostBlock::Place{-1, 0, own_bytes});
+      block.places_.push_back(HostBlock::Place{-1, 0, own_bytes, {}});
       stats_.allocations += 1;
       stats_.unpooled += 1;
       stats_.unpooled_bytes += own_bytes;
@@ -289,29 +309,39 @@ int64_t HostPool::reserve(int64_t bytes, bool pinned) {
   }
 }
 
-void HostPool::free_place_locked(const HostBlock::Place& e) {
+void HostPool::free_place_locked(HostBlock::Place& e) noexcept {
   auto found = slabs_.find(e.slab);
-  TORCH_INTERNAL_ASSERT(found != slabs_.end());
+  if (found == slabs_.end()) return;  // cannot happen: a slab with lent extents is never freed
   Slab& slab = found->second;
   int64_t offset = e.offset, length = e.length;
+  // The merged range reuses a node: the previous range's, else the extent's spare. Erasing frees a node; nothing
+  // here allocates one.
+  FreeRanges::node_type node = std::move(e.spare);
   auto next = slab.free.lower_bound(offset);
   if (next != slab.free.begin()) {
     auto prev = std::prev(next);
     if (prev->first + prev->second == offset) {
       offset = prev->first;
       length += prev->second;
-      slab.free.erase(prev);
+      node = slab.free.extract(prev);
     }
   }
   if (next != slab.free.end() && offset + length == next->first) {
     length += next->second;
     slab.free.erase(next);
   }
-  slab.free.emplace(offset, length);
+  if (node.empty()) {
+    slab.free.emplace(offset, length);  // never taken: every pooled extent is lent with its spare node
+  } else {
+    node.key() = offset;
+    node.mapped() = length;
+    slab.free.insert(std::move(node));
+  }
   slab.free_bytes += e.length;
 }
 
-void HostPool::give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use, bool pinned) {
+void HostPool::give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use,
+                         bool pinned) noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
   if (places.size() == 1 && places[0].slab < 0) {
     // Unpooled: the caller drops the buffer (the host allocator keeps pending copies safe).
@@ -323,11 +353,12 @@ void HostPool::give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c
   for (const auto& e : places) total += e.length;
   stats_.in_use_bytes -= total;
   stats_.cached_bytes += total;
+  --lent_;
   if (last_use && !event_completed(*last_use)) {  // never throws: reached from destructors (events.h)
-    pending_.push_back(Pending{std::move(places), std::move(last_use)});
+    pending_.push_back(Pending{std::move(places), std::move(last_use)});  // within the room acquire reserved
     return;
   }
-  for (const auto& e : places) free_place_locked(e);
+  for (auto& e : places) free_place_locked(e);
   if (stats_.held_bytes > limit_) {
     trim_locked(limit_);
   }
@@ -335,11 +366,12 @@ void HostPool::give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c
 
 void HostPool::reap_pending_locked() {
   // Decide first, then free: the ranges of one returned block are freed exactly once, whatever a query says.
-  auto done = std::stable_partition(pending_.begin(), pending_.end(), [](const Pending& p) {
+  // std::partition, not stable_partition: that one asks for a buffer (reached from give_back, which allocates nothing).
+  auto done = std::partition(pending_.begin(), pending_.end(), [](const Pending& p) {
     return p.last_use && !event_completed(*p.last_use);  // still in use: stays pending
   });
   for (auto it = done; it != pending_.end(); ++it) {
-    for (const auto& e : it->places) free_place_locked(e);
+    for (auto& e : it->places) free_place_locked(e);
   }
   pending_.erase(done, pending_.end());
 }
@@ -350,20 +382,21 @@ void HostPool::reap_pending_locked() {
 int64_t HostPool::trim_locked(int64_t target_bytes, std::optional<bool> only_kind) {
   reap_pending_locked();
   int64_t freed_pinned = 0;
-  std::vector<std::pair<int64_t, int64_t>> idle;  // (size, id)
-  for (const auto& [id, slab] : slabs_) {
-    if (slab.free_bytes == slab.buffer.numel() && (!only_kind || slab.pinned == *only_kind)) {
-      idle.emplace_back(slab.buffer.numel(), id);
+  // The largest idle slab each time (a few dozen slabs at most), found without a list: no allocation.
+  while (stats_.held_bytes > target_bytes) {
+    auto largest = slabs_.end();
+    for (auto it = slabs_.begin(); it != slabs_.end(); ++it) {
+      const Slab& slab = it->second;
+      const bool idle = slab.free_bytes == slab.buffer.numel() && (!only_kind || slab.pinned == *only_kind);
+      if (idle && (largest == slabs_.end() || slab.buffer.numel() >= largest->second.buffer.numel())) largest = it;
     }
-  }
-  std::sort(idle.rbegin(), idle.rend());
-  for (const auto& [size, id] : idle) {
-    if (stats_.held_bytes <= target_bytes) break;
-    if (slabs_.at(id).pinned) {
+    if (largest == slabs_.end()) break;
+    const int64_t size = largest->second.buffer.numel();
+    if (largest->second.pinned) {
       stats_.pinned_bytes -= size;
       freed_pinned += size;
     }
-    slabs_.erase(id);
+    slabs_.erase(largest);
     stats_.held_bytes -= size;
     stats_.cached_bytes -= size;
     stats_.slabs -= 1;

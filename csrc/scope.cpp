@@ -203,11 +203,16 @@ void OffloadScope::exit() {
     prune_locked();
     // What the scope's entry leaves held (keepalive.h): done copies, restored blocks (their stream waits on the
     // device) and consumers' blocks go now; on a dead context everything goes. A source still being copied on a
-    // live context stays held until the next call finds its copy done (or the destructor waits for it).
+    // live context goes to the process's SourceReaper, which lets go of it as soon as its copy is done -- not at
+    // the scope's next call or in its destructor (a scope around forward only).
     side_uses_.reap();
     side_uses_.release_restores(capturing_device);
     side_uses_.release_consumers(capturing_device);
     side_uses_.drop_failed();
+    try {
+      side_uses_.hand_off_sources(SourceReaper::instance(), capturing_device);  // (M26) let go at copy speed
+    } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): no room or no thread: they stay held here,
+    }                                  // reaped by the next call or waited for by the destructor, as before
   }
   release_restores();  // at the latest here: nothing of a backward that ended early stays on the device
 }

@@ -116,6 +116,7 @@ std::shared_ptr<c10::Event> copy_to_host(const at::Tensor& src, HostBlock& host,
     copy_extents(Direction::kToHost, src, host, /*non_blocking=*/false);
     return nullptr;
   }
+  uses.reserve_hold();  // before the copy is queued: the hold after it cannot fail
   c10::impl::VirtualGuardImpl impl(src.device().type());
   const c10::Stream compute = impl.getStream(src.device());  // current at pack time, never cached
   const c10::Stream copy_stream = streams.for_copy(src.device(), Direction::kToHost, compute);
@@ -170,6 +171,7 @@ RestoreOrder copy_to_device(const at::Tensor& dev, HostBlock& host, const std::s
     copy_extents(Direction::kToDevice, dev, host, /*non_blocking=*/false);
     return order;
   }
+  uses.reserve_hold();  // before the copy is queued: the hold after it cannot fail
   c10::impl::VirtualGuardImpl impl(dev.device().type());
   const c10::Stream compute = impl.getStream(dev.device());
   order.alloc_stream = compute;

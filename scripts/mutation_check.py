@@ -111,6 +111,10 @@ MUTATIONS = [
              "csrc/transfer.cpp",
              "uses.hold_restore(dev.storage(), order.done, compute);  // I1 (M6, M25): the copy writes it on H; held, never tagged",
              "impl.recordDataPtrOnStream(dev.storage().data_ptr(), copy_stream);"),
+    Mutation("M26", "exit: a source whose copy still runs is let go when the copy is done (the SourceReaper), not at "
+             "a later call or in the destructor",
+             "csrc/scope.cpp",
+             "side_uses_.hand_off_sources(SourceReaper::instance(), capturing_device);  // (M26) let go at copy speed"),
 ]
 
 _SOURCES = ("CMakeLists.txt", "csrc", "ops", "tests/device/emu")

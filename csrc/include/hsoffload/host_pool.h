@@ -43,6 +43,10 @@ at::Tensor default_host_alloc(int64_t bytes, bool pinned);
 
 class HostPool;
 
+// A slab's free ranges: offset -> length, coalesced. Its nodes travel with the blocks lent from it
+// (HostBlock::Place::spare), so that giving a block back allocates nothing (a give-back runs in destructors).
+using FreeRanges = std::map<int64_t, int64_t>;
+
 // A block of host memory lent by a HostPool: `bytes()` bytes in one or more
 // extents. Returned to the pool when destroyed. Move-only: exactly one owner
 // can return it.
@@ -72,6 +76,7 @@ class HostBlock {
     int64_t slab = -1;  // slab id; -1: an unpooled buffer
     int64_t offset = 0;
     int64_t length = 0;  // granule-rounded
+    FreeRanges::node_type spare;  // pooled: the free-range node this extent becomes when it is given back
   };
   void release();
   std::vector<at::Tensor> extents_;  // the extents' bytes
@@ -132,14 +137,16 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   struct Slab {
     at::Tensor buffer;
     bool pinned = false;
-    std::map<int64_t, int64_t> free;  // offset -> length, coalesced
+    FreeRanges free;
     int64_t free_bytes = 0;
   };
   struct Pending {
     std::vector<HostBlock::Place> places;
     std::shared_ptr<c10::Event> last_use;
   };
-  void give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use, bool pinned);
+  // A lent block comes back (HostBlock's destructor and move-assignment: noexcept). Allocates nothing: its ranges
+  // go back through their spare nodes, and `pending_` has room for every lent block (reserved by acquire).
+  void give_back(std::vector<HostBlock::Place> places, std::shared_ptr<c10::Event> last_use, bool pinned) noexcept;
   void set_limit_impl(int64_t limit, bool explicit_limit);
   int64_t free_bytes_locked(bool pinned) const;
   // Lends `need` bytes from free ranges (false: not enough free bytes of that kind).
@@ -151,10 +158,11 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   std::vector<at::Tensor> allocate_unlocked(std::unique_lock<std::mutex>& lock, const std::vector<int64_t>& sizes,
                                             bool pinned, bool touch);
   void add_slabs_locked(std::vector<at::Tensor> buffers, bool pinned);
-  void free_place_locked(const HostBlock::Place& p);
+  // Returns an extent's range to its slab's free ranges, coalesced; allocates nothing (the extent's spare node).
+  void free_place_locked(HostBlock::Place& p) noexcept;
   void reap_pending_locked();
   // Frees idle slabs (of one kind, pinned or not, if given) until held_bytes <= target_bytes; returns the pinned
-  // bytes it freed.
+  // bytes it freed. Allocates nothing (reached from give_back).
   int64_t trim_locked(int64_t target_bytes, std::optional<bool> only_kind = std::nullopt);
   // Hands the accelerator's cached pinned blocks back to the system (outside the pool's lock; not in a hook).
   static void empty_host_cache();
@@ -167,6 +175,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   std::map<int64_t, Slab> slabs_;  // by id
   int64_t next_slab_id_ = 0;
   std::vector<Pending> pending_;  // returned extents whose last device use may still run
+  int64_t lent_ = 0;  // pooled blocks lent now; pending_.capacity() >= pending_.size() + lent_ (acquire reserves)
   int64_t pinned_staging_bytes_ = 0;  // the pinned part of stats_.staging_bytes
   PoolStats stats_;
 };
