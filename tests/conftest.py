@@ -44,6 +44,12 @@ SLOW = (
     "tests/engine/test_tensor_kinds.py::test_warnings_",  # child processes
     "tests/engine/test_torchscript_compile.py::test_torchscript_models_offload_on_every_step",  # 2 child processes
     "tests/integrations/test_auto_ranks.py::",  # 2-rank torchrun
+    "tests/integrations/test_auto_budget.py::test_equal_tokens",  # policy auto's adversarial runs (issue 51): each
+    "tests/integrations/test_auto_budget.py::test_alternating",  # measures fixed configurations, then several runs
+    "tests/integrations/test_auto_budget.py::test_random_lengths",
+    "tests/integrations/test_auto_budget.py::test_a_second_forward",
+    "tests/integrations/test_auto_budget.py::test_a_state_file",
+    "tests/integrations/test_auto_budget.py::test_a_layer_that_saves",
     "tests/integrations/test_composition.py::",  # 2-rank torchrun
     "tests/integrations/test_deepspeed.py::",  # 2-rank torchrun
     "tests/integrations/test_dtensor.py::test_two_ranks",

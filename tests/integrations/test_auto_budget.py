@@ -10,6 +10,7 @@ import functools
 import gc
 import json
 import logging
+import math
 import random
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -239,7 +240,10 @@ def test_a_state_file_from_another_run_is_not_applied(tmp_path: Path, other: str
     ctl = auto.controller(model)
     assert [r.decided for r in ctl.history] == [False, False, True]  # the last step is recorded by the next
     said = " ".join(r.getMessage() for r in caplog.records)
-    assert ("not reused" in said) if other != "micro-batch" else ("2x512q" not in {s.key() for s in ctl.buckets})
+    if other == "micro-batch":  # the identity matched; the file's bucket is another shape's
+        assert "2x512q" not in {s.key() for s in ctl.buckets} and "are not reused" not in said
+    else:  # the identity names what differs
+        assert "it was saved for another" in said and {"attention": "attention (", "dtype": "dtypes ("}[other] in said
 
 
 def test_a_layer_that_saves_more_than_its_file_says_is_measured_again(tmp_path: Path,
@@ -321,3 +325,12 @@ def test_bad_auto_options_name_the_whole_allowed_range(name: str, value: Any, wo
         hsoffload.OffloadConfig(policy="auto", **{name: value})
     assert name in str(err.value) and words in str(err.value), str(err.value)
 
+
+
+def test_a_buckets_top_is_in_its_own_bucket_and_powers_of_two_are_tops() -> None:
+    """A batch at a bucket's top runs in that bucket (a run of the top length alone and a run of shorter lengths
+    of the bucket decide for the same shape); every length's top is at least the length and at most 1.26x it."""
+    tops = sorted({bucket_length(n) for n in range(1, 70_000)})
+    assert all(bucket_length(t) == t for t in tops)
+    assert all(n <= bucket_length(n) <= max(2, math.ceil(n * 2 ** (1 / 3))) for n in range(1, 70_000))
+    assert {2 ** k for k in range(17)} <= set(tops)

@@ -66,11 +66,12 @@ class Shape:
 
 
 def bucket_length(length: int) -> int:
-    """The top of `length`'s bucket: the least 2^(k/BUCKET_STEPS) >= length (exact at powers of two)."""
+    """The top of `length`'s bucket: the least top >= length, tops being ceil(2^(k/BUCKET_STEPS)) (exact at powers of
+    two). A top is in its own bucket (bucket_length(top) == top)."""
     if length <= 1:
         return 1
-    k = math.ceil(BUCKET_STEPS * math.log2(length) - 1e-9)
-    while True:  # float rounding: the top must be >= length and the previous top < length
+    k = max(0, math.floor(BUCKET_STEPS * math.log2(length)) - 1)  # at or below the answer (float rounding)
+    while True:
         q, r = divmod(k, BUCKET_STEPS)
         top = (1 << q) if r == 0 else math.ceil(2 ** (k / BUCKET_STEPS))
         if top >= length:
