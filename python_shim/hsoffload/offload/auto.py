@@ -831,8 +831,7 @@ class AutoController:
             self.allocator_gap = max(0, reserved - peak)
         if b.restored is not None:
             self._adopt = (b.shape, self._matches_restored(b))
-            return None
-        return "calibrated" if b.calibrated >= self.calibration_steps else None
+        return None  # the bucket decides when a batch of it next comes (other buckets' decisions stand)
 
     def _verify_sac(self, decision: Decision, index: int, measured_s: float) -> Optional[str]:
         """A decision with sac: the median of its first VERIFY_STEPS steps against the prediction. sac's cost is the
