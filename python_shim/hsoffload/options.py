@@ -144,8 +144,9 @@ OPTIONS: tuple[Option, ...] = (
            "the first decision", minimum=1, maximum=100),
     Option("auto_report_only", BOOL, False, "policy auto: decide and log, but keep every layer offloaded"),
     Option("auto_state_path", FILE, None, "policy auto: a JSON file its measurements are saved to at each decision "
-           "and read from by a run that starts with it (same model, rank and world: no calibration); {rank} is "
-           "replaced by the rank (null: not saved; the Trainer integration uses <output_dir>/hsoffload_auto/)",
+           "and read from by a run that starts with it (a cache: where its identity matches, each bucket's first "
+           "step checks it, then decides from it); {rank} is replaced by the rank (null: not saved; the Trainer "
+           "integration uses <output_dir>/hsoffload_auto/, read only by a run that resumes)",
            nullable=True),
     Option("keep_last_layers", INT, 0, "the last k decoder layers keep their tensors on the device", minimum=0,
            plan_flag="--keep-last-layers"),

@@ -20,6 +20,7 @@ import torch
 import transformers
 
 import hsoffload
+from hsoffload.choose import Choice
 from hsoffload.offload import auto
 from hsoffload.offload.auto import DeviceMemory
 from hsoffload.offload.calibration import bucket_length
@@ -107,7 +108,7 @@ def _fixed_peak(shape: Batch, unchecked: int, attn: str = "eager", pad: bool = F
     """The steady peak of the first `unchecked` layers without checkpointing and the others checkpointed and
     offloaded (a fixed configuration, no auto), measured here. (The first ones: a layer's activations held from its
     forward to its backward count whole at the peak, where backward starts; the last layer's recompute happens there
-    anyway, so leaving it unchekpointed costs next to nothing.)"""
+    anyway, so leaving it uncheckpointed costs next to nothing.)"""
     model, opt = _model(attn)
     for layer in model.model.layers[:unchecked]:
         layer.gradient_checkpointing = False
@@ -136,7 +137,7 @@ def _assert_under(peaks: list[int], budget: int) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _half_way(shape: Batch, attn: str = "eager", pad: bool = False) -> list[int]:
-    """Budgets half-way between the peaks of 0..LAYERS-1 layers left unchekpointed at `shape` (measured here, once
+    """Budgets half-way between the peaks of 0..LAYERS-1 layers left uncheckpointed at `shape` (measured here, once
     per process: the reference runs' weights the tests hold are alive then too)."""
     peaks = [_fixed_peak(shape, k, attn, pad) for k in range(LAYERS)]  # (all LAYERS: the last one's comes free)
     assert peaks == sorted(peaks) and peaks[-1] > peaks[0] * 1.5, [p / MIB for p in peaks]
@@ -182,9 +183,10 @@ def test_alternating_lengths_decide_as_the_common_length_alone(order: str) -> No
         del model, opt, ctl, decided  # the next run alone starts with what this one started with
 
 
-def test_random_lengths_calibrate_each_bucket_at_most_twice_and_decide_as_its_top_alone() -> None:
+def test_random_lengths_calibrate_each_bucket_at_most_twice_and_decide_no_bolder_than_its_top_alone() -> None:
     """Seeded random lengths in [L/8, L] over 20 steps: at most two calibration steps per length bucket, every
-    decided step under the budget with the decision a run at its bucket's top length alone makes."""
+    step under the budget, each bucket's decision no bolder than a run at its top length alone makes (the same where
+    it was measured at its top: the alternating test)."""
     top = 512
     rng = random.Random(51)
     shapes = [(1, rng.randint(top // 8, top)) for _ in range(20)]
@@ -210,7 +212,10 @@ def test_random_lengths_calibrate_each_bucket_at_most_twice_and_decide_as_its_to
     for length in sorted(decided_tops)[-2:]:  # the two longest decided buckets: where the budget binds
         alone, alone_opt = _model()
         _train(alone, alone_opt, [(1, length)] * 3, _auto(alone, budget))
-        assert ours[length] == auto.controller(alone).decision.choices, (length, log)
+        theirs = auto.controller(alone).decision.choices
+        # Measured below the bucket's top and scaled up to it (quadratic attention: by up to 1.26^2), a bucket's
+        # decision leaves no more layers uncheckpointed than a run at the top alone; at the top, the same.
+        assert sum(c is Choice.NONE for c in ours[length]) <= sum(c is Choice.NONE for c in theirs), (length, log)
         del alone, alone_opt
 
 
@@ -273,19 +278,44 @@ def test_a_layer_that_saves_more_than_its_file_says_is_measured_again(tmp_path: 
 
 def test_a_second_forward_per_backward_after_calibration_stays_under() -> None:
     """From step 4 on, each step runs two forwards before one backward: the decision made for one forward is not
-    changed between them (the extra forward runs every layer offloaded), the next step decides for two, and no step
-    goes over the budget."""
+    changed between them (the first forward runs it, the extra forward runs every layer checkpointed and offloaded),
+    the next step decides for two, and no step goes over the budget."""
     shape = (1, 512)
     two = lambda step: 1 if step < 4 else 2  # noqa: E731
     shapes = [shape] * 8
     ref = _plain(shapes, forwards=two)
     budget = _half_way(shape)[2]
     model, opt = _model()
+    calls: list[tuple[int, bool]] = []  # per decoder-layer call in forward (not a recompute): index, checkpointed
+    index = {id(layer): k for k, layer in enumerate(model.model.layers)}
+
+    def seen(module: torch.nn.Module, args: Any) -> None:
+        if torch._C._current_graph_task_id() == -1:  # not inside backward (a checkpoint's recompute)
+            calls.append((index[id(module)], module.gradient_checkpointing))
+
+    handles = [layer.register_forward_pre_hook(seen) for layer in model.model.layers]
     losses, peaks = _train(model, opt, shapes, _auto(model, budget), forwards=two)
+    for h in handles:
+        h.remove()
     _assert_under(peaks, budget)
     _assert_bitwise(model, losses, ref)
     ctl = auto.controller(model)
-    assert ctl.forwards == 2 and "2 forwards" in ctl.reason
+    assert ctl.forwards == 2
+    runs: list[list[bool]] = []  # the calls from one call of layer 0 to the next: a forward (or a probe's call)
+    for k, flag in calls:
+        if k == 0:
+            runs.append([])
+        runs[-1].append(flag)
+    forwards = [r for r in runs if len(r) == LAYERS]  # a probe calls one layer on its own
+    assert len(forwards) == sum(two(step) for step in range(len(shapes)))
+    steps: list[list[list[bool]]] = []
+    for step in range(len(shapes)):
+        steps.append([forwards.pop(0) for _ in range(two(step))])
+    decided_one = steps[3][0]  # step 3: the decision for one forward
+    assert not all(decided_one), "the budget leaves no layer uncheckpointed: nothing to keep across forwards"
+    assert steps[4][0] == decided_one, "the decision changed before the first forward of the 2-forward step"
+    assert all(steps[4][1]), "the extra forward did not run every layer checkpointed"
+    assert all(len(s) == 2 for s in steps[5:]) and steps[5][0] == steps[5][1], "not one decision for both forwards"
 
 
 def test_a_fresh_trainer_run_does_not_read_an_earlier_runs_file(tmp_path: Path) -> None:

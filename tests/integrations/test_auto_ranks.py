@@ -31,7 +31,7 @@ def test_two_ranks_agree_on_every_decision_and_train_bitwise(tmp_path: Path, wra
     assert a0["runs"] == a1["runs"] and a0["decisions"] == a1["decisions"], (a0, a1)
     layers = len(a0["runs"][0])
     # Calibration (steps 0-1) offloads everything; rank 1's budget (under anything) binds rank 0 too (steps 2-3);
-    # with both budgets generous, every layer keeps its input (sharded layers are never left unchekpointed: their
+    # with both budgets generous, every layer keeps its input (sharded layers are never left uncheckpointed: their
     # probe would gather shards outside the step).
     assert a0["runs"][:4] == [["offload"] * layers] * 4, a0["runs"]
     assert a0["runs"][4:] == [["keep"] * layers] * 4, a0["runs"]  # the budget changed at step 4: decided there
@@ -56,3 +56,23 @@ def test_a_second_forward_on_two_ranks_is_decided_for_on_both(tmp_path: Path) ->
     waits = sorted(a0["agree_ms"])
     print(f"agreement host wait per micro-batch (gloo, 2 ranks, CPU): median {waits[len(waits) // 2]:.3f} ms, "
           f"max {waits[-1]:.3f} ms over {len(waits)}")
+
+
+@pytest.mark.parametrize("inject", ["forward", "backward"])
+def test_a_layer_with_collectives_is_never_half_probed(tmp_path: Path, inject: str) -> None:
+    """Layers whose forward issues all-to-alls (as sequence parallelism's), not sharded: rank 1's probe would run
+    out of memory between two of them (in forward, or in backward). Policy auto watches each layer's forward at the
+    first calibration step and probes no layer that issues collectives, on any rank: the injection never fires, no
+    rank waits, one decision on both ranks, bit for bit. (Without the watch, rank 1 leaves the probe after an
+    all-to-all and rank 0 waits in the next: this test's timeout.)"""
+    worker = WORKER.parent / "auto_collectives_worker.py"
+    proc = launch.two_ranks(worker, ["--inject", inject, "--out-dir", str(tmp_path)], timeout=120, deepspeed=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["bitwise"], r["auto"]["losses"]
+        assert not r["auto"]["fired"], "a probe ran a layer that issues collectives"
+    a0, a1 = r0["auto"], r1["auto"]
+    assert a0["runs"] == a1["runs"] and a0["decisions"] == a1["decisions"], (a0, a1)
+    assert a0["decisions"][-1] >= 1 and "none" not in a0["runs"][-1], a0["runs"]  # decided; never uncheckpointed
+    assert "issues collectives in its forward" in proc.stderr

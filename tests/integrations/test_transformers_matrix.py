@@ -21,6 +21,7 @@ REQUIREMENTS = ROOT / "tests" / "extra_transformers.txt"
 # Suites that need only transformers + peft (Trainer pulls datasets, which pins newer hubs).
 SUITES = ["tests/integrations/test_transformers_models.py", "tests/integrations/test_patch.py",
           "tests/integrations/test_layer_hooks.py", "tests/integrations/test_auto_versions.py",
+          "tests/integrations/test_auto_budget.py", "tests/integrations/test_auto_cpu.py",
           "tests/engine/test_policies.py"]
 # Entries of extra_transformers.txt this matrix runs (others are used by their own suites).
 MATRIX = ("tf457",)

@@ -12,7 +12,7 @@ before the layer runs (the patch calls `before_layer`); the first layer's call s
   records its projections (aten.mm and aten.addmm: the linear layers) under a dispatch mode, each timed, and which
   of their outputs a recompute reads (those made before the layer's last saved tensor: torch's early stop ends the
   recompute there): the `sac` choice's bytes and the time it saves. A probe
-  that would not fit the budget is not run (that layer is never left unchekpointed); one that runs out of memory
+  that would not fit the budget is not run (that layer is never left uncheckpointed); one that runs out of memory
   marks the same. Calibration is per shape bucket (hsoffload.offload.calibration: micro-batch, length rounded up to
   its bucket's top, quadratic attention or not): each bucket's steps without the probe give its lean baseline,
   scaled up to the bucket's top; a batch always runs its own bucket's decision.
@@ -138,6 +138,30 @@ class _Projections(TorchDispatchMode):
         the copies) and the time of those a recompute reads (what it skips)."""
         return sum(b for b, _ in self.made), sum(t for _, t in self.made[:self.read])
 
+
+
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+
+
+class _Collectives(TorchDispatchMode):
+    """Watches one decoder-layer call of a calibration step on several ranks for collectives (torch.distributed's
+    ops dispatch as c10d.*; functional collectives as _c10d_functional.*): a layer whose forward issues them
+    (Ulysses' or ring attention's all-to-alls) is never probed without checkpointing, on any rank: a probe that failed
+    on one rank between two of its collectives would leave the others waiting in the next one."""
+
+    def __init__(self, seen: dict[tuple, bool], kind: tuple) -> None:
+        super().__init__()
+        self._seen, self._kind = seen, kind
+        self._any = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if not self._any and getattr(func, "namespace", None) in COLLECTIVE_NAMESPACES:
+            self._any = True
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._seen[self._kind] = self._seen.get(self._kind, False) or self._any
+        return super().__exit__(*exc)
 
 
 @dataclasses.dataclass
@@ -316,7 +340,7 @@ def _shape(layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -
 
 @dataclasses.dataclass
 class _Probe:
-    held_none: int  # bytes (math.inf-like huge: never leave unchekpointed)
+    held_none: int  # bytes (math.inf-like huge: never leave uncheckpointed)
     backward_s: float
     copy_s: float
     sac_bytes: int = 0  # the projections' outputs its recompute reads (0: the sac choice not offered)
@@ -352,6 +376,7 @@ class Bucket:
     restored: Optional[dict[str, Any]] = None
     stale: Optional[str] = None  # why the decision is to be made again (None: it stands)
     decision_index: int = 0  # the controller's decision count when this bucket's decision was made
+    decided_forwards: int = 1  # forwards before one backward the decision was made for
     measured_decision: int = -1  # the decision_index whose first step was measured
 
     @property
@@ -359,7 +384,9 @@ class Bucket:
         return self.shape.tokens
 
     def ready(self, calibration_steps: int) -> bool:
-        return self.lean_increase is not None and self.calibrated >= calibration_steps
+        """Measured enough to decide: its calibration steps run, its layers probed (on several ranks the first
+        bucket's first step only watches the layers for collectives: one more step)."""
+        return self.lean_increase is not None and self.calibrated >= calibration_steps and bool(self.probes)
 
 
 NEVER = 1 << 62  # held bytes of a choice that must never be taken
@@ -410,6 +437,9 @@ class AutoController:
         # the next step's first layer) passed what its step started with, where it passed the forward and backward's
         # peak: a floor of every step's peak that no decision changes
         self.tail_increase = 0
+        # Per layer kind, on several ranks: whether its forward issued collectives (watched at a calibration step
+        # before any probe: such a layer is not probed)
+        self.collectives: dict[tuple, bool] = {}
         self.peak_read = 0  # the largest whole-step peak read (the Trainer integration reports it)
         self._urgent: Optional[str] = None  # a reason to decide at the next micro-batch, mid optimizer step too
         # The host's wait in each micro-batch's agreement across ranks (seconds, the last HISTORY): the collective and
@@ -489,17 +519,18 @@ class AutoController:
     # -- per layer call -----------------------------------------------------------------------------------------
 
     def before_layer(self, scope: Any, layer: torch.nn.Module, args: tuple, kwargs: dict,
-                     run: Callable[..., Any]) -> None:
-        """Called before a decoder layer's forward call in `scope` (not its recompute)."""
+                     run: Callable[..., Any]) -> Optional[contextlib.AbstractContextManager]:
+        """Called before a decoder layer's forward call in `scope` (not its recompute). Returns a context for the
+        caller to run the layer's call in (a calibration step's watch for collectives, on several ranks), or None."""
         i = self.index.get(id(layer))
         x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
         if i is None or not isinstance(x, torch.Tensor) or scope.layer_tracker.current is not None:
-            return
+            return None
         if self.memory is None:
             self._bind_device(x.device)
         if i == 0:
             if self._step is not None and self._step["hooks"] > 0 and "t1" not in self._step:
-                self._another_forward(scope)  # a forward before the last one's backward: one step, two graphs
+                self._another_forward(scope, _shape(layer, x, args, kwargs))  # one step, two graphs
             else:
                 self._new_step(scope, x, _shape(layer, x, args, kwargs))
             if x.requires_grad:  # the step's measurements end when backward has passed every forward's first layer
@@ -511,15 +542,19 @@ class AutoController:
                          "embeddings, LoRA without enable_input_require_grads): a step's peak and time are read "
                          "when the next one starts, and include the optimizer's step")
         calibrating = self._step is not None and not self._step["decided"]
+        watch = None
         if calibrating:
             self._time_previous_layer(i)
             if self._step["probe"]:
                 self._maybe_probe(layer, i, x, args, kwargs, run)
                 self.bucket.probe_shape = self._step["shape"]
+            elif self.ranks is not None and self.ranks.size > 1 and _signature(layer) not in self.collectives:
+                watch = _Collectives(self.collectives, _signature(layer))
             self.bucket.held_keep[i] = x.numel() * x.element_size()
             self.bucket.forward_shape = self._step["shape"]
             self.memory.synchronize_compute()
             self._layer_t0 = (i, time.perf_counter())
+        return watch
 
     def _bind_device(self, device: torch.device) -> None:
         self.memory = DeviceMemory(device)
@@ -551,30 +586,34 @@ class AutoController:
         """The layers run now offload nothing (a decision of only none and keep)."""
         return not {Choice.OFFLOAD, Choice.SAC} & set(self.choices())
 
-    def _another_forward(self, scope: Any) -> None:
+    def _another_forward(self, scope: Any, shape: Shape) -> None:
         """A forward whose first layer runs before the previous forward's backward reached it (two losses, one
         backward): each holds what its choices keep. A decision is never changed between the forwards of one step:
-        a forward beyond those the decision was made for runs the leanest choice the ranks can run apart (one
-        process: every layer offloaded; several: the decision's `none` layers stay, every other layer offloads, so
-        that every rank recomputes the same layers), and the next micro-batch decides for the forwards seen (on
-        every rank: the wish is agreed there)."""
+        a forward beyond those the decision was made for, or of a shape its bucket does not cover, runs the leanest
+        choice the ranks can run apart (one process: every layer offloaded; several: the decision's `none` layers
+        stay, every other layer offloads, so that every rank recomputes the same layers), and the next micro-batch
+        decides for the forwards seen (on every rank: the wish and the count are agreed there)."""
         assert self._step is not None
         self._step["forwards"] += 1
         if self._step["forwards"] > self.forwards:
             self.forwards = self._step["forwards"]
             log_once("auto-forwards", logging.INFO, "hsoffload: policy auto: %d forwards before one backward: each "
                      "holds what the decision keeps, and the decisions count them", self.forwards)
-        if self._step["forwards"] <= self._step["planned_forwards"] or self._step["unplanned"]:
+        step_bucket: Bucket = self._step["bucket"]
+        larger = not step_bucket.shape.covers(bucket_of(shape))
+        if larger:
+            log_once("auto-forward-shape", logging.INFO, "hsoffload: policy auto: a later forward of one step has a "
+                     "larger shape (%s) than its first (%s): it runs every checkpointed layer offloaded",
+                     shape.key(), step_bucket.shape.key())
+        if (self._step["forwards"] <= self._step["planned_forwards"] and not larger) or self._step["unplanned"]:
             return
         self._step["unplanned"] = True
         if self._step["decided"]:
-            self._urgent = f"{self.forwards} forwards before one backward"
-            for b in self.buckets.values():
-                if b.decision is not None:
-                    b.stale = b.stale or self._urgent
-            logger.info("hsoffload: policy auto: forward %d of a step whose decision was made for %d: it runs every "
-                        "checkpointed layer offloaded, and the next micro-batch decides for %d", self._step["forwards"],
-                        self._step["planned_forwards"], self.forwards)
+            if not larger:
+                self._urgent = f"{self.forwards} forwards before one backward"
+                logger.info("hsoffload: policy auto: forward %d of a step whose decision was made for %d: it runs "
+                            "every checkpointed layer offloaded, and the next micro-batch decides for %d",
+                            self._step["forwards"], self._step["planned_forwards"], self.forwards)
             self._apply(scope)
 
     def _first_layer_backward_done(self, grad: torch.Tensor) -> None:
@@ -626,18 +665,24 @@ class AutoController:
                 and self.start_bytes > mine.decided_start_bytes + 0.01 * self.budget):
             reason = (f"steps now start with {(self.start_bytes - mine.decided_start_bytes) / 2**20:.1f} MiB more "
                       "on the device (the optimizer's states, gradients, or another model)")
-        # 0: nothing to decide; 1: a decision is due (at the next optimizer step); 2: the running one does not fit.
+        # 0: nothing to decide; 1: a decision is due (at the next optimizer step); 2: at once (a decision no longer
+        # fits at what this step starts with, whatever bucket it is for; more forwards than decided for)
         want = 0 if reason is None and urgent is None else 1
-        if urgent is not None or (reason is not None and mine is not None and mine.decision is not None
-                                  and mine.decision.fits and self._predicted_at(mine, start) > self.budget):
+        unfit = [b for b in self.buckets.values() if b.decision is not None and b.decision.fits
+                 and self._predicted_at(b, start) > self.budget]
+        if unfit:
+            reason = reason or (f"a decision no longer fits: this step starts with {start / 2**20:.1f} MiB on the "
+                                "device")
+        if urgent is not None or unfit:
             want = 2
         adopt = self._adopt
         self._adopt = None
         target, adopt_ok = local, adopt is not None and adopt[1]
         if self.ranks.size > 1:  # one collective per micro-batch on every rank: buckets, wishes, the step boundary
             t0 = time.perf_counter()
-            target, want_any, boundary, adopt_ok = self._agree_step(local, want, boundary, adopt)
+            target, want_any, boundary, adopt_ok, forwards = self._agree_step(local, want, boundary, adopt)
             self.agree_s.append(time.perf_counter() - t0)
+            self.forwards = forwards
             if want_any > want:
                 reason = reason or "another rank's measurements changed (its peak, its start bytes or its calibration)"
                 want = int(want_any)
@@ -653,6 +698,8 @@ class AutoController:
         if b.ready(self.calibration_steps):
             if b.decision is None:
                 self._decide(b.stale or "calibrated")
+            elif b.decided_forwards < self.forwards:
+                self._decide(b.stale or f"{self.forwards} forwards before one backward")
             elif b.stale is not None and (boundary or want == 2):
                 self._decide(b.stale)
         decided = b.decision is not None
@@ -667,10 +714,13 @@ class AutoController:
         if (decided or b.calibrated == self.calibration_steps - 1) and fresh != b.fresh:
             b.fresh = fresh
             self.memory.empty_cache()
-        self._step = {"shape": shape, "bucket": b, "decided": decided, "probe": not decided and not b.probes,
-                      "decision": b.decision, "hooks": 0, "forwards": 1, "planned_forwards": self.forwards,
+        watched = self.ranks.size == 1 or all(_signature(m) in self.collectives for _, m in self.layers)
+        self._step = {"shape": shape, "bucket": b, "decided": decided,
+                      "probe": not decided and not b.probes and watched,
+                      "decision": b.decision, "hooks": 0, "forwards": 1,
+                      "planned_forwards": b.decided_forwards if decided else self.forwards,
                       "unplanned": False, "start": start, "measured": measured,
-                      "predicted": self.predicted_peak, "index": self.decisions}
+                      "predicted": self.predicted_peak, "index": b.decision_index}
         self._apply(scope)
         if measured:
             b.measured_decision = b.decision_index
@@ -702,7 +752,7 @@ class AutoController:
         self.bucket = b
 
     def _agree_step(self, local: Shape, want: int, boundary: bool,
-                    adopt: Optional[tuple[Shape, bool]]) -> tuple[Shape, int, bool, bool]:
+                    adopt: Optional[tuple[Shape, bool]]) -> tuple[Shape, int, bool, bool, int]:
         """The ranks' one collective per micro-batch (at its first layer): the bucket (the largest batch, length
         and attention of the ranks'), the strongest wish to decide (0 none, 1 due, 2 the running decision no longer
         fits), whether every rank is at an optimizer step's first micro-batch, and whether every rank's check of a
@@ -710,18 +760,19 @@ class AutoController:
         collectives would not match: a hang)."""
         assert self.ranks is not None
         state = zlib.crc32(repr(([n for n, _ in self.layers], sorted(
-            (k.key(), b.calibrated, b.decision is not None, len(b.probes)) for k, b in self.buckets.items()),
+            (k.key(), b.calibrated, b.decision is not None, b.stale is not None, len(b.probes))
+            for k, b in self.buckets.items()),
             self.decisions, adopt[0].key() if adopt else None)).encode())
         failed = 1.0 if adopt is not None and not adopt[1] else 0.0
         agreed, same = self.ranks.max_and_same(
-            [local.batch, local.length, 1.0 if local.quadratic else 0.0, want, 0.0 if boundary else 1.0, failed],
-            [state])
+            [local.batch, local.length, 1.0 if local.quadratic else 0.0, want, 0.0 if boundary else 1.0, failed,
+             self.forwards], [state])
         if not same:
             raise RuntimeError("hsoffload: policy auto: the ranks' models or auto states differ (decoder layers, the "
                                "buckets calibrated, calibration steps, decisions or probes): every rank must run the "
                                "same model through the same steps, forward and backward, for one decision to hold")
         target = agreed_bucket(agreed[:3])
-        return target, int(agreed[3]), agreed[4] == 0, agreed[5] == 0
+        return target, int(agreed[3]), agreed[4] == 0, agreed[5] == 0, int(agreed[6])
 
     def _mark(self, step: dict[str, Any], key: str) -> None:
         """A time stamp of `step`: in a decided step an event on the compute stream where the device's events time
@@ -764,24 +815,24 @@ class AutoController:
             return None
         whole = max(whole, peak)
         self.peak_read = max(self.peak_read, whole)
-        if step["measured"]:  # the step after the backward's first layer, where it passed the rest of the step
+        if step["measured"] and "whole" in step:  # the rest of the step (the optimizer's), where it passed the rest
             self.tail_increase = whole - step["start"] if whole > peak else 0
         measured_s = self._elapsed(step["t0"], step["t1"])
         decision: Optional[Decision] = step["decision"]
         predicted = step["predicted"] + step["start"] - b.decided_start_bytes if decision else None
-        rec = StepRecord(step["shape"].tokens, step["decided"], predicted, whole, decision.step_s if decision else
-                         None, measured_s, step["index"] if decision else 0, reserved)
-        self.history.append(rec)
         if not step["decided"]:
+            self.history.append(StepRecord(step["shape"].tokens, False, None, whole, None, measured_s, 0, reserved))
             return self._calibrated(b, step, peak, measured_s, reserved)
-        if decision is None or step["unplanned"]:  # more forwards than decided for: decided again, not verified
-            return None
-        self.decided_steps += 1
         # A measured step's counter was reset at its start: `whole` is its own peak. Another step's counter runs on
         # from earlier steps (and what the program allocated between them): a reading above the one at the step's
         # start was reached inside the step, and is its peak; one that did not rise says only that the step stayed
-        # under an earlier peak.
+        # under an earlier peak (recorded as None).
         own = whole if step["measured"] or whole > step["counter0"] else None
+        self.history.append(StepRecord(step["shape"].tokens, True, predicted, own, decision.step_s if decision else
+                                       None, measured_s, step["index"], reserved))
+        if decision is None or step["unplanned"]:  # more forwards than decided for: decided again, not verified
+            return None
+        self.decided_steps += 1
         expected = max(predicted, step["start"] + self.tail_increase)
         if self.decided_steps == 1 or (own is not None and own > expected):
             logger.info("hsoffload: policy auto: step measured %s peak (predicted %.1f, budget %.1f), %.1f ms "
@@ -791,7 +842,7 @@ class AutoController:
         if own is not None and own > expected:
             over = own - expected
             self.margin += over
-            if step["predicted"] + over + self.allocator_gap > self.budget:
+            if predicted + over + self.allocator_gap > self.budget:
                 self.replans += 1
                 return f"the measured peak {own / 2**20:.1f} MiB passed the prediction by {over / 2**20:.1f} MiB"
         if not step["measured"] and reserved is not None and reserved <= step["reserved0"]:
@@ -826,9 +877,10 @@ class AutoController:
             b.lean_increase = max(math.ceil(increase * top / forwards),
                                   math.ceil(b.lean_increase * top / b.lean_forwards))
             b.lean_forwards = top
-        b.lean_step_s = measured_s * linear
-        if reserved is not None:
-            self.allocator_gap = max(0, reserved - peak)
+        if b.lean_step_s is None or not probed:  # a step without the probe's work, where there is one
+            b.lean_step_s = measured_s * linear
+        if reserved is not None:  # only grows (a decided step's overshoot may have grown it)
+            self.allocator_gap = max(self.allocator_gap, reserved - peak)
         if b.restored is not None:
             self._adopt = (b.shape, self._matches_restored(b))
         return None  # the bucket decides when a batch of it next comes (other buckets' decisions stand)
@@ -918,6 +970,7 @@ class AutoController:
                      self.budget / 2**20)
         self.decisions += 1
         b.decision_index = self.decisions
+        b.decided_forwards = self.forwards
         b.stale = None
         b.reason = why
         self.decision_log.append(f"{''.join(str(c)[0] for c in b.decision.choices)} ({why}; {b.shape.key()})")
@@ -1062,6 +1115,8 @@ class AutoController:
             why = "no file yet"
         except (OSError, ValueError) as exc:
             why = f"unreadable: {exc}"
+        if state is not None and not all(k in state for k in ("buckets", "forwards", "margin")):
+            why, state = "unreadable: it lacks the buckets, forwards or margin", None
         if state is not None:
             expected = self._identity()
             differ = [k for k in expected if state.get(k) != expected[k]]
@@ -1085,7 +1140,6 @@ class AutoController:
         self.forwards = max(self.forwards, int(state["forwards"]))
         self.margin = max(self.margin, int(state["margin"]))
         self.allocator_gap = max(self.allocator_gap, int(state.get("allocator_gap", 0)))
-        self.tail_increase = max(self.tail_increase, int(state.get("tail_increase", 0)))
         self.sac_extra_per_token = {kinds[r]: float(v) for r, v in state.get("sac_extra_per_token", {}).items()
                                     if r in kinds}
         self._restored = dict(state["buckets"])
@@ -1150,15 +1204,15 @@ class AutoController:
 
     def request(self, why: str) -> None:
         """Decide again (after calibration) for what the user changed (a budget, pins): at once in one process; on
-        several ranks at the next micro-batch's start, where they all decide."""
+        several ranks at the next micro-batch's start, where the wish is agreed and every rank marks the same
+        decisions to be made again (a rank marking its own alone would decide, and all-reduce, alone: a hang)."""
+        if self.ranks is None or self.ranks.size > 1:
+            self._pending = why
+            return
         for b in self.buckets.values():
             if b.decision is not None:
                 b.stale = b.stale or why
-        if not self.bucket.ready(self.calibration_steps):
-            return
-        if self.ranks is None or self.ranks.size > 1:
-            self._pending = why
-        else:
+        if self.bucket.ready(self.calibration_steps):
             self._decide(why)
 
     def _agree(self, costs: list[LayerCost], fixed_s: float, room: int,
@@ -1200,7 +1254,8 @@ class AutoController:
         """The last decision: why it was made, and its table (empty before the first)."""
         if self.bucket.decision is None:
             return ""
-        return (f"policy auto, decision {self.decisions} ({self.bucket.reason}; bucket {self.bucket.shape.key()}, "
+        return (f"policy auto, decision {self.bucket.decision_index} ({self.bucket.reason}; bucket "
+                f"{self.bucket.shape.key()}, "
                 f"{self.tokens} tokens)"
                 f"{' REPORT ONLY, every layer offloaded' if self.report_only else ''}:\n"
                 f"{self.bucket.decision.table(self.bucket.costs)}")
@@ -1306,10 +1361,17 @@ class AutoController:
         allocated = self.memory.allocated()
         fits = allocated is None or allocated + PROBE_GUESS * nbytes <= self.budget
         sharded = _sharded(layer)
+        collective = self.collectives.get(sig, False)
         assert self.ranks is not None
         if self.ranks.size > 1:  # every rank probes the same layers, or none does
-            fits, unsharded = (v > 0 for v in self.ranks.min([1.0 if fits else 0.0, 0.0 if sharded else 1.0]))
-            sharded = not unsharded
+            fits, unsharded, quiet = (v > 0 for v in self.ranks.min(
+                [1.0 if fits else 0.0, 0.0 if sharded else 1.0, 0.0 if collective else 1.0]))
+            sharded, collective = not unsharded, not quiet
+        if collective and not sharded:
+            log_once("auto-collectives", logging.INFO, "hsoffload: policy auto: %s issues collectives in its forward "
+                     "(sequence parallelism's all-to-alls): it is not probed without checkpointing (a probe failing on "
+                     "one rank between two collectives would leave the others waiting), so it stays checkpointed",
+                     type(layer).__name__)
         if sharded:
             log_once("auto-sharded", logging.INFO, "hsoffload: policy auto: the decoder layers' parameters are sharded "
                      "(FSDP, DeepSpeed ZeRO-3): a layer is not probed without checkpointing (its forward and backward "
@@ -1318,22 +1380,27 @@ class AutoController:
         elif not fits:
             logger.info("hsoffload: policy auto: %s is not probed without checkpointing (it might not fit the budget): "
                         "it stays checkpointed", self.layers[i][0])
-        if sharded or not fits:
+        if sharded or collective or not fits:
             self.bucket.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
             return
         out_of_memory = False
+        probe: Optional[_Probe] = None
         try:
-            self.bucket.probes[sig] = self._probe(layer, x, args, kwargs, run)
+            probe = self._probe(layer, x, args, kwargs, run)
         except torch.OutOfMemoryError:
             out_of_memory = True
         except RuntimeError as exc:  # other backends raise a plain RuntimeError
             if "out of memory" not in str(exc).lower():
                 raise
             out_of_memory = True
-        if out_of_memory:  # outside the handler: the partial forward's tensors are gone with its traceback
-            logger.info("hsoffload: policy auto: %s ran out of memory without checkpointing: it stays checkpointed",
-                        self.layers[i][0])
-            self.bucket.probes[sig] = _Probe(NEVER, 0.0, self._copy_s(x))
+        ran = not out_of_memory
+        if self.ranks.size > 1:  # the outcome agreed before any rank goes on: probed everywhere, or nowhere
+            ran = self.ranks.min([1.0 if ran else 0.0])[0] > 0
+        if not ran or probe is None:  # outside the handler: the partial forward's tensors are gone with its traceback
+            logger.info("hsoffload: policy auto: %s ran out of memory without checkpointing%s: it stays checkpointed",
+                        self.layers[i][0], "" if out_of_memory else " on another rank")
+            probe = _Probe(NEVER, 0.0, self._copy_s(x))
+        self.bucket.probes[sig] = probe
 
     def _copy_s(self, x: torch.Tensor) -> float:
         return copy_time_s(x, self._sync_time)
@@ -1430,7 +1497,12 @@ def _no_output_capture(layer: torch.nn.Module) -> Iterator[None]:
         fn = module.__dict__.get("forward")
         if fn is not None and _is_capture_wrapper(fn):
             unwrapped.append((module, fn))
-            module.__dict__["forward"] = fn.__wrapped__
+            inner = fn.__wrapped__
+            for _ in range(8):  # a module recorded for several keys is wrapped once per key
+                if not _is_capture_wrapper(inner):
+                    break
+                inner = inner.__wrapped__
+            module.__dict__["forward"] = inner
     try:
         collector = None
         try:

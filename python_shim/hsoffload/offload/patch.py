@@ -23,6 +23,7 @@ not offload is logged by hsoffload.offload.diagnostics.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -205,10 +206,11 @@ def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callabl
                 end_compiled_layer(scope, visit)
             return out
         scope = current_scope()
+        observe: Any = contextlib.nullcontext()
         if scope is not None and scope.auto is not None:
             # policy auto: a step starts at the first layer; the layers' choices (a sac layer's checkpoint function
-            # included) are set before this layer's is wrapped below
-            scope.auto.before_layer(scope, self, args, kwargs, previous)
+            # included) are set before this layer's is wrapped below; it may watch this call (what it issues)
+            observe = scope.auto.before_layer(scope, self, args, kwargs, previous) or observe
         elif scope is not None and chooses_per_layer(scope.config.policy):
             raise RuntimeError("hsoffload: policy auto needs the model: hsoffload.offload_hidden_states(model, "
                                "policy='auto', ...) or scope.bind_model(model) before the first step")
@@ -222,9 +224,10 @@ def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callabl
             # traced, not applied, so such a layer is marked on entry, as under a compiled __call__.
             mark_inside = at_checkpoint and getattr(self, "_compiled_call_impl", None) is None
             visit, args, due = _begin_layer(scope, self, args, kwargs, compiled=False, at_checkpoint=mark_inside)
-            if due:
-                return _call_marking_at_checkpoint(previous, self, args, kwargs)
-            return previous(self, *args, **kwargs)
+            with observe:
+                if due:
+                    return _call_marking_at_checkpoint(previous, self, args, kwargs)
+                return previous(self, *args, **kwargs)
         finally:
             if visit is not None:
                 scope.layer_tracker.end(visit)
