@@ -171,7 +171,7 @@ class StepRecord:
     tokens: int
     decided: bool  # False: a calibration step
     predicted_peak_bytes: Optional[int]
-    measured_peak_bytes: Optional[int]
+    measured_peak_bytes: Optional[int]  # None: a decided step whose peak counter did not rise above an earlier one
     predicted_step_s: Optional[float]
     measured_step_s: float
     decision_index: int = 0  # the decision it ran with (controller.decisions then; 0: none)
@@ -1115,8 +1115,6 @@ class AutoController:
             why = "no file yet"
         except (OSError, ValueError) as exc:
             why = f"unreadable: {exc}"
-        if state is not None and not all(k in state for k in ("buckets", "forwards", "margin")):
-            why, state = "unreadable: it lacks the buckets, forwards or margin", None
         if state is not None:
             expected = self._identity()
             differ = [k for k in expected if state.get(k) != expected[k]]
@@ -1125,6 +1123,8 @@ class AutoController:
                     f"{k} ({state.get(k)!r}, here {expected[k]!r})" if k not in ("layers", "kinds", "inside") else k
                     for k in differ)
                 state = None
+        if state is not None and not all(k in state for k in ("buckets", "forwards", "margin")):
+            why, state = "unreadable: it lacks the buckets, forwards or margin", None
         ok = state is not None
         if self.ranks.size > 1:  # every rank reuses a file saved at the same decision, or none does
             saved = zlib.crc32(repr([state.get("decisions"), sorted(state.get("buckets", {}))]).encode()) if ok else 0
@@ -1262,7 +1262,8 @@ class AutoController:
 
     def log_values(self) -> dict[str, float]:
         """Numbers for a trainer's logs (`hsoffload/auto_*`): the layers per choice run now, the decisions made, the
-        budget, and the last decided step's predicted and measured peak (GiB) and time (ms)."""
+        budget, and the last decided step's predicted and measured peak (GiB) and time (ms) (the last whose own peak
+        is known: a step whose peak counter did not rise above an earlier step's has none)."""
         gib = float(1 << 30)
         values: dict[str, float] = {f"auto_{c.value}_layers": 0.0 for c in Choice}
         for c in self.choices():
@@ -1276,7 +1277,7 @@ class AutoController:
             values["auto_agree_ms"] = sorted(self.agree_s)[len(self.agree_s) // 2] * 1e3
         # the largest whole-step peak auto read (auto resets the device's peak counter at the steps it measures)
         values["auto_peak_read_gib"] = self.peak_read / gib
-        last = next((r for r in reversed(self.history) if r.decided), None)
+        last = next((r for r in reversed(self.history) if r.decided and r.measured_peak_bytes is not None), None)
         if last is not None:
             values["auto_predicted_peak_gib"] = (last.predicted_peak_bytes or 0) / gib
             values["auto_measured_peak_gib"] = (last.measured_peak_bytes or 0) / gib
