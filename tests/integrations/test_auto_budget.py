@@ -364,3 +364,30 @@ def test_a_buckets_top_is_in_its_own_bucket_and_powers_of_two_are_tops() -> None
     assert all(bucket_length(t) == t for t in tops)
     assert all(n <= bucket_length(n) <= max(2, math.ceil(n * 2 ** (1 / 3))) for n in range(1, 70_000))
     assert {2 ** k for k in range(17)} <= set(tops)
+
+
+def test_a_resumed_run_keeps_the_buckets_it_has_not_seen_yet(tmp_path: Path) -> None:
+    """Run A decides for two lengths; run B, resumed from A's file, sees only one of them before it saves: the
+    other length's bucket is still in the file for the next resume."""
+    path = str(tmp_path / "auto-{rank}.json")
+    model, opt = _model()
+    _train(model, opt, [(1, 512), (1, 64)] * 3, _auto(model, 1 << 30, auto_state_path=path))
+    assert set(json.loads((tmp_path / "auto-0.json").read_text())["buckets"]) == {"1x512q", "1x64q"}
+    del model, opt
+    model, opt = _model()
+    _train(model, opt, [(1, 64)] * 3, _auto(model, 1 << 30, auto_state_path=path))
+    assert auto.controller(model).decisions >= 1
+    assert set(json.loads((tmp_path / "auto-0.json").read_text())["buckets"]) == {"1x512q", "1x64q"}
+
+
+def test_sdpa_with_attention_dropout_counts_as_quadratic() -> None:
+    """SDPA without a mask is linear where it runs a fused kernel; with attention dropout in training it takes the
+    math path (the probabilities held): the batch's shape says quadratic."""
+    from hsoffload.offload.auto import _shape
+
+    model, _ = _model("sdpa")
+    layer = model.model.layers[0]
+    x = torch.zeros(1, 512, 64)
+    assert not _shape(layer, x, (x,), {}).quadratic
+    layer.self_attn.config.attention_dropout = 0.1
+    assert _shape(layer, x, (x,), {}).quadratic

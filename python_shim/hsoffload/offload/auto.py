@@ -323,6 +323,15 @@ def _attention_implementation(layer: torch.nn.Module) -> Optional[str]:
     return None
 
 
+def _attention_dropout(layer: torch.nn.Module) -> float:
+    """The attention dropout a decoder layer's config names (0.0 where none)."""
+    for module in layer.modules():
+        p = getattr(getattr(module, "config", None), "attention_dropout", None)
+        if isinstance(p, (int, float)):
+            return float(p)
+    return 0.0
+
+
 def _shape(layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> Shape:
     """The shape of the batch whose first decoder layer input is `x` (batch, length, hidden): what policy auto
     calibrates and scales by, the attention being quadratic where the layer's implementation or a 4-D mask among
@@ -335,7 +344,10 @@ def _shape(layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -
             tensors.extend(t for t in v[:8] if isinstance(t, torch.Tensor))
         elif isinstance(v, torch.Tensor):
             tensors.append(v)
-    return Shape(batch, length, quadratic_attention(_attention_implementation(layer), tensors, x.device.type))
+    impl = _attention_implementation(layer)
+    if impl == "sdpa" and layer.training and _attention_dropout(layer) > 0:
+        impl = "sdpa-math"  # SDPA with dropout in training takes the math path on the CPU (and may on CUDA)
+    return Shape(batch, length, quadratic_attention(impl, tensors, x.device.type))
 
 
 @dataclasses.dataclass
@@ -1068,9 +1080,13 @@ class AutoController:
         path = self.state_file()
         if path is None:
             return
-        buckets = {}
+        # The file's buckets this run has not measured yet are kept (a resumed run that has seen one length so far
+        # must not drop the others'); each bucket this run measured replaces its saved figures.
+        buckets: dict[str, Any] = dict(self._restored)
         for shape, b in self.buckets.items():
             if not b.ready(self.calibration_steps):
+                if b.restored is not None:
+                    buckets[shape.key()] = b.restored
                 continue
             kinds = {repr(k): k for k in b.probes}
             buckets[shape.key()] = {
