@@ -6,7 +6,6 @@ checkpointing's. Budgets are set from peaks this file measures on fixed configur
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import logging
@@ -135,10 +134,9 @@ def _assert_under(peaks: list[int], budget: int) -> None:
     assert not over, f"steps over the {budget / MIB:.2f} MiB budget (step, MiB): {over}"
 
 
-@functools.lru_cache(maxsize=None)
 def _half_way(shape: Batch, attn: str = "eager", pad: bool = False) -> list[int]:
-    """Budgets half-way between the peaks of 0..LAYERS-1 layers left uncheckpointed at `shape` (measured here, once
-    per process: the reference runs' weights the tests hold are alive then too)."""
+    """Budgets half-way between the peaks of 0..LAYERS-1 layers left uncheckpointed at `shape`, measured here by
+    each test (with what that test holds alive: its reference run's weights)."""
     peaks = [_fixed_peak(shape, k, attn, pad) for k in range(LAYERS)]  # (all LAYERS: the last one's comes free)
     assert peaks == sorted(peaks) and peaks[-1] > peaks[0] * 1.5, [p / MIB for p in peaks]
     return [(a + b) // 2 for a, b in zip(peaks, peaks[1:])]
@@ -279,12 +277,21 @@ def test_a_layer_that_saves_more_than_its_file_says_is_measured_again(tmp_path: 
 def test_a_second_forward_per_backward_after_calibration_stays_under() -> None:
     """From step 4 on, each step runs two forwards before one backward: the decision made for one forward is not
     changed between them (the first forward runs it, the extra forward runs every layer checkpointed and offloaded),
-    the next step decides for two, and no step goes over the budget."""
+    the next step decides for two, and every step after is under the budget. The step where the second forward first
+    comes is the one auto cannot plan for (docs/usage.md): it may pass the budget by at most what a second forward
+    adds to the leanest step (its head and loss), measured here with every layer offloaded."""
     shape = (1, 512)
     two = lambda step: 1 if step < 4 else 2  # noqa: E731
     shapes = [shape] * 8
     ref = _plain(shapes, forwards=two)
     budget = _half_way(shape)[2]
+    lean = {}
+    for forwards in (1, 2):
+        lean_model, lean_opt = _model()
+        scope = hsoffload.offload_hidden_states(lean_model, policy="hidden_states", min_offload_size=0,
+                                                offload_cpu_tensors=True)
+        lean[forwards] = max(_train(lean_model, lean_opt, [shape] * 2, scope, forwards=lambda s, f=forwards: f)[1])
+        del lean_model, lean_opt, scope
     model, opt = _model()
     calls: list[tuple[int, bool]] = []  # per decoder-layer call in forward (not a recompute): index, checkpointed
     index = {id(layer): k for k, layer in enumerate(model.model.layers)}
@@ -297,7 +304,8 @@ def test_a_second_forward_per_backward_after_calibration_stays_under() -> None:
     losses, peaks = _train(model, opt, shapes, _auto(model, budget), forwards=two)
     for h in handles:
         h.remove()
-    _assert_under(peaks, budget)
+    _assert_under(peaks[:4] + peaks[5:], budget)
+    assert peaks[4] <= budget + (lean[2] - lean[1]), (peaks[4], budget, lean)
     _assert_bitwise(model, losses, ref)
     ctl = auto.controller(model)
     assert ctl.forwards == 2

@@ -705,6 +705,9 @@ class AutoController:
                     b.stale = b.stale or reason
         if adopt is not None:
             self._settle_restored(self.buckets[adopt[0]], adopt_ok)
+        ended = self.bucket  # the last step's: calibrated by it, it is decided for now (not at its next batch)
+        if ended.decision is None and ended.ready(self.calibration_steps):
+            self._decide(ended.stale or "calibrated")
         self._enter(target, shape)
         b = self.bucket
         if b.ready(self.calibration_steps):
@@ -1267,14 +1270,13 @@ class AutoController:
         return out, fixed_s, int(-neg_room), None if -neg_host >= unlimited else int(-neg_host)
 
     def report(self) -> str:
-        """The last decision: why it was made, and its table (empty before the first)."""
-        if self.bucket.decision is None:
+        """The last decision made (whichever bucket it is for): why, and its table (empty before the first)."""
+        b = max(self.buckets.values(), key=lambda x: x.decision_index, default=None)
+        if b is None or b.decision is None:
             return ""
-        return (f"policy auto, decision {self.bucket.decision_index} ({self.bucket.reason}; bucket "
-                f"{self.bucket.shape.key()}, "
-                f"{self.tokens} tokens)"
+        return (f"policy auto, decision {b.decision_index} ({b.reason}; bucket {b.shape.key()}, {b.tokens} tokens)"
                 f"{' REPORT ONLY, every layer offloaded' if self.report_only else ''}:\n"
-                f"{self.bucket.decision.table(self.bucket.costs)}")
+                f"{b.decision.table(b.costs)}")
 
     def log_values(self) -> dict[str, float]:
         """Numbers for a trainer's logs (`hsoffload/auto_*`): the layers per choice run now, the decisions made, the
