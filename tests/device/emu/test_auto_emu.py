@@ -205,7 +205,13 @@ def test_slow_copies_keep_or_recompute_instead_of_offloading(dev: torch.device) 
     assert slow.copy_s > slow.forward_s + slow.backward_s, slow
     assert decisions["slow"]["offload"] == decisions["slow"]["sac"] == 0 and decisions["slow"]["none"] == 1, decisions
     if fast.copy_s < 0.5 * fast.forward_s:
-        assert decisions["fast"] == {"none": 2, "keep": 0, "sac": 0, "offload": 2}, (decisions, fast)
+        # Free copies: keeping an input is never better than offloading it. Which of offload (two recomputes saved)
+        # and sac (three cheaper recomputes) is faster depends on how much of a forward the projections took on
+        # this machine at this moment; where sac is not chosen, the two layers the budget allows run whole.
+        got = decisions["fast"]
+        assert got["keep"] == 0 and got["offload"] + got["sac"] >= 2, (decisions, fast)
+        if got["sac"] == 0:
+            assert got == {"none": 2, "keep": 0, "sac": 0, "offload": 2}, (decisions, fast)
 
 
 def test_a_longer_batch_is_calibrated_before_it_is_decided_for(dev: torch.device, reference: dict[str, Any],
@@ -313,6 +319,7 @@ def test_a_model_under_auto_is_freed_with_its_controller(dev: torch.device) -> N
 
     model, opt = _model(dev, layers=2)
     ids = _ids(dev, 128, 0)
+    gc.collect()  # a controller an earlier test left to the collector (a failure's traceback) is not counted
     before = len(auto._controllers)
     with hsoffload.offload_hidden_states(model, policy="auto", device_budget=1 << 40, min_offload_size=0):
         model(input_ids=ids, labels=ids).loss.backward()
