@@ -19,13 +19,15 @@ Per layer, from fastest to leanest:
 The step time of a decision is a fixed part (every layer's forward and backward, the head, the optimizer) plus each
 layer's extra (`extra_s`): the recompute, and for `offload` the part of its copy longer than the layer's forward
 (the copy out) and than its recompute and backward (the copy back), plus one copy (the pipeline's fill) when any layer
-offloads or chooses `sac`. The device peak is a measured or modelled peak with every layer offloaded
-(`lean_peak_bytes`: the model states, the head, one layer's recompute) plus what the decision holds, plus the `sac`
-window. Both are sums over layers but for two terms, so the least-time decision under the budget is a multiple-choice
-knapsack, solved over the Pareto front of (bytes held, time) (`_knapsack`): exact while the front stays under
-FRONT_LIMIT states (always for layers alike; thinned past it, never over the budget); the two terms that are a
-largest, not a sum (the pipeline's fill, the `sac` window), by one knapsack per pair of values they can take (up to
-FILL_LIMITS and SAC_LIMITS of them).
+offloads or chooses `sac`. The device peak is order-aware (hsoffload.costs): the leanest step's peak by phase
+(`Phases`: measured, or modelled) plus, in each phase, what the layers still alive there hold (all of them through
+forward and the head; below layer i during its backward), plus the `sac` window. The time is a sum over layers but
+for two terms, and the peak bounds each prefix of the layers' held bytes (a cap per layer, `Phases.caps`), so the
+least-time decision under the budget is a multiple-choice knapsack with a capacity per prefix, solved over the Pareto
+front of (bytes held so far, time) (`_knapsack`): exact while the front stays under FRONT_LIMIT states (always for
+layers alike; thinned past it, never over a cap); the two terms that are a largest, not a sum (the pipeline's fill,
+the `sac` window), by one knapsack per pair of values they can take (up to FILL_LIMITS and SAC_LIMITS of them), the
+window held in every phase.
 
 Stdlib only (the planner imports it without torch).
 """
@@ -33,85 +35,17 @@ Stdlib only (the planner imports it without torch).
 from __future__ import annotations
 
 import dataclasses
-import math
-from enum import Enum
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
+
+from .costs import (SAC_WINDOW, Choice, LayerCost, Phases, _largest_restore, as_phases, fill_s, pipeline_s,
+                    predict, window_bytes)
+
+__all__ = ["SAC_WINDOW", "Choice", "Decision", "LayerCost", "Phases", "choose", "fill_s", "pipeline_s", "predict",
+           "prefetch_depths", "sac_host_bytes", "window_bytes"]
 
 FILL_LIMITS = 6  # values of the pipeline's fill tried at most (one knapsack each, per SAC limit)
 SAC_LIMITS = 4  # values of the largest `sac_bytes` among the layers choosing sac tried at most
-SAC_WINDOW = 2  # layers of sac entries on the device at once by default: one copy out in flight, one prefetched
 FRONT_LIMIT = 256  # states of the knapsack's Pareto front kept per layer (thinned past it; never over the room)
-
-
-class Choice(str, Enum):
-    NONE = "none"  # no checkpointing
-    KEEP = "keep"  # checkpointing, input kept on the device
-    SAC = "sac"  # checkpointing, input and projection outputs offloaded: the recompute skips the projections
-    OFFLOAD = "offload"  # checkpointing, input offloaded (policy hidden_states)
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse(cls, value: object, what: str) -> "Choice":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"hsoffload: {what} must be one of {', '.join(c.value for c in cls)}, got "
-                             f"{value!r}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerCost:
-    """What one decoder layer costs per choice (bytes on the device until its backward; seconds)."""
-
-    name: str
-    held_none: int  # its saved activations without checkpointing
-    held_keep: int  # its input (what checkpointing saves)
-    forward_s: float  # its forward (the recompute)
-    backward_s: float
-    copy_s: float  # its input to the host, or back (one direction)
-    sac_bytes: int = 0  # the outputs of its projections its recompute reads (0: the sac choice is not offered)
-    projection_s: float = 0.0  # those projections' forward: what the sac choice's recompute skips
-    sac_extra_s: float = 0.0  # what sac steps measured beyond this model, per layer (learned: the selective
-    # checkpoint's dispatch on every op, many small copies)
-
-    @property
-    def sac_offered(self) -> bool:
-        return self.sac_bytes > 0 and self.projection_s > 0
-
-    def held(self, c: Choice) -> int:
-        """Bytes held on the device until its backward (the sac window apart: `window_bytes`)."""
-        return self.held_none if c is Choice.NONE else self.held_keep if c is Choice.KEEP else 0
-
-    def copy(self, c: Choice) -> float:
-        """One direction of what this choice copies: the input (offload), the input and the projections (sac)."""
-        if c is Choice.OFFLOAD:
-            return self.copy_s
-        if c is Choice.SAC:
-            return self.copy_s * (1 + self.sac_bytes / max(1, self.held_keep))
-        return 0.0
-
-    def recompute_s(self, c: Choice) -> float:
-        """Backward's recompute of this layer's forward: none without checkpointing, less its projections (sac)."""
-        if c is Choice.NONE:
-            return 0.0
-        return self.forward_s - (min(self.projection_s, self.forward_s) if c is Choice.SAC else 0.0)
-
-    def extra_s(self, c: Choice) -> float:
-        """The time this choice adds to the step over `none` (the pipeline's fill not included): the recompute, and
-        what of the copy out its forward does not hide, and of the copy back its recompute and backward."""
-        recompute, copy = self.recompute_s(c), self.copy(c)
-        learned = self.sac_extra_s if c is Choice.SAC else 0.0
-        return recompute + max(0.0, copy - self.forward_s) + max(0.0, copy - recompute - self.backward_s) + learned
-
-    def scaled(self, factor: float) -> "LayerCost":
-        """The costs at `factor` times the tokens (bytes and times linear in them: a safe bound is the caller's)."""
-        return dataclasses.replace(self, held_none=math.ceil(self.held_none * factor),
-                                   held_keep=math.ceil(self.held_keep * factor), forward_s=self.forward_s * factor,
-                                   backward_s=self.backward_s * factor, copy_s=self.copy_s * factor,
-                                   sac_bytes=math.ceil(self.sac_bytes * factor),
-                                   projection_s=self.projection_s * factor, sac_extra_s=self.sac_extra_s * factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,77 +93,7 @@ class Decision:
         return "\n".join(lines)
 
 
-def fill_s(costs: Sequence[LayerCost], choices: Sequence[Choice]) -> float:
-    """The pipeline's fill: one copy when any layer offloads or chooses sac (the first restore of backward is waited
-    for)."""
-    copies = [c.copy(x) for c, x in zip(costs, choices) if x in (Choice.OFFLOAD, Choice.SAC)]
-    return max(copies) if copies else 0.0
-
-
-def window_bytes(costs: Sequence[LayerCost], choices: Sequence[Choice], sac_window: int = SAC_WINDOW) -> int:
-    """The sac entries on the device at once: `sac_window` times the largest among the layers choosing sac."""
-    sizes = [c.sac_bytes for c, x in zip(costs, choices) if x is Choice.SAC]
-    return sac_window * max(sizes) if sizes else 0
-
-
-def predict(costs: Sequence[LayerCost], choices: Sequence[Choice], lean_peak_bytes: int,
-            fixed_s: float, sac_window: int = SAC_WINDOW, depth: Optional[int] = None) -> tuple[int, float]:
-    """The device peak and step time of `choices`. With `depth` (layers restored ahead in backward) the time's
-    copies are played through one copy engine (`pipeline_s`) and the peak holds the restores ahead beyond the lean
-    peak's (`sac_window` - 1 of them: the lean peak was measured at that depth); without it, each layer's copy is
-    set against its own compute (`LayerCost.extra_s`) and the fill is one copy."""
-    window, ahead = (sac_window, 0) if depth is None else (depth + 1, max(0, depth - (sac_window - 1)))
-    peak = (lean_peak_bytes + sum(c.held(x) for c, x in zip(costs, choices)) + window_bytes(costs, choices, window)
-            + (ahead * _largest_restore(costs, choices) if ahead else 0))
-    if depth is None:
-        return peak, fixed_s + sum(c.extra_s(x) for c, x in zip(costs, choices)) + fill_s(costs, choices)
-    return peak, fixed_s + pipeline_s(costs, choices, depth)
-
-
-def _largest_restore(costs: Sequence[LayerCost], choices: Sequence[Choice]) -> int:
-    """The largest input restored in backward (the layers that offload or choose sac)."""
-    return max((c.held_keep for c, x in zip(costs, choices) if x in (Choice.OFFLOAD, Choice.SAC)), default=0)
-
-
-def pipeline_s(costs: Sequence[LayerCost], choices: Sequence[Choice], depth: int) -> float:
-    """The time `choices` add to the step over no checkpointing, with `depth` layers restored ahead: every
-    checkpointed layer's recompute, what of a copy out its layer's forward does not hide, and backward's waits for
-    its restores. Backward is played in its order through one copy engine as the engine schedules it (prefetch.h):
-    when a layer's restore is reached (its unpack), the restores of the next `depth` layers that copy are started,
-    each after the one before it; a layer's backward starts when the one after it is done and its restore has
-    arrived; the first restore is waited for whole (the pipeline's fill)."""
-    extra = 0.0
-    for cost, c in zip(costs, choices):
-        extra += cost.recompute_s(c) + max(0.0, cost.copy(c) - cost.forward_s)
-        extra += cost.sac_extra_s if c is Choice.SAC else 0.0
-    order = [i for i in reversed(range(len(costs)))]
-    copied = [i for i in order if choices[i] in (Choice.OFFLOAD, Choice.SAC)]
-    at = {i: k for k, i in enumerate(copied)}
-    arrives: dict[int, float] = {}
-    engine_free = 0.0
-    started = 0
-
-    def start_until(k: int, now: float) -> None:
-        nonlocal engine_free, started
-        while started <= min(k, len(copied) - 1):
-            j = copied[started]
-            engine_free = max(engine_free, now) + costs[j].copy(choices[j])
-            arrives[j] = engine_free
-            started += 1
-
-    t = 0.0
-    for i in order:
-        if i in at:
-            start_until(at[i], t)  # on demand, unless started ahead
-            wait = max(0.0, arrives[i] - t)
-            extra += wait
-            t += wait
-            start_until(at[i] + depth, t)  # the layers `depth` ahead, at this unpack
-        t += costs[i].recompute_s(choices[i]) + costs[i].backward_s
-    return extra
-
-
-def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, fixed_s: float,
+def choose(costs: Sequence[LayerCost], budget_bytes: int, lean: Union[int, Phases], fixed_s: float,
            pins: Optional[Mapping[str, Choice]] = None, sac_window: int = SAC_WINDOW,
            host_room: Optional[int] = None, prefetch_depths: Sequence[int] = ()) -> Decision:
     """The least predicted step time whose predicted peak is at most `budget_bytes` and whose sac layers' projections
@@ -255,17 +119,19 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
     names = tuple(c.name for c in costs)
     options = [[pins[c.name]] if c.name in pins else
                [x for x in Choice if x is not Choice.SAC or c.sac_offered] for c in costs]
-    room = budget_bytes - lean_peak_bytes
+    phases = as_phases(lean, len(costs))
+    caps = phases.caps(budget_bytes)  # per layer, the most the layers up to it may hold (None: the lean step does not fit)
     lean_depth = sac_window - 1
     restorable = max((c.held_keep for c, o in zip(costs, options) if Choice.OFFLOAD in o or Choice.SAC in o), default=0)
     found: list[tuple[float, int, list[Choice]]] = []
     for depth in sorted({d for d in prefetch_depths if d >= 0}) or [None]:
         window = sac_window if depth is None else depth + 1
         ahead = 0 if depth is None else max(0, depth - lean_depth) * restorable
-        chosen = _within(costs, options, room - ahead, lean_peak_bytes, fixed_s, window, host_room)
+        chosen = None if caps is None else _within(costs, options, _less(caps, ahead), phases, fixed_s, window,
+                                                   host_room)
         if chosen is not None:
             chosen = _canonical(costs, chosen, pins)
-            step = predict(costs, chosen, lean_peak_bytes, fixed_s, sac_window, depth)[1]
+            step = predict(costs, chosen, phases, fixed_s, sac_window, depth)[1]
             if not found or step < found[0][0] * (1 - DEPTH_GAIN):
                 found.insert(0, (step, -1 if depth is None else depth, chosen))
             if depth is not None and len(found) == 1 and (
@@ -278,7 +144,7 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean_peak_bytes: int, 
         depth = lean_depth if prefetch_depths else -1
         chosen, fits = [pins.get(c.name, Choice.OFFLOAD) for c in costs], False
     d = None if depth < 0 else depth
-    peak, step = predict(costs, chosen, lean_peak_bytes, fixed_s, sac_window, d)
+    peak, step = predict(costs, chosen, phases, fixed_s, sac_window, d)
     return Decision(tuple(chosen), names, budget_bytes, peak, step, fits=fits, pinned=tuple(sorted(pins)),
                     sac_window=sac_window if d is None else d + 1, prefetch_depth=d)
 
@@ -293,11 +159,24 @@ def prefetch_depths(configured: int) -> range:
     return range(configured, max(configured, DEEPEST_PREFETCH) + 1)
 
 
-def _within(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room: int, lean_peak_bytes: int,
+Caps = tuple  # Phases.caps: per layer, the forward phase's, the backward phase's and the later phases' caps
+
+
+def _less(caps: Caps, used: int) -> Caps:
+    """Every cap less `used` bytes held throughout (the sac window, restores ahead)."""
+    return tuple([c - used for c in part] for part in caps)
+
+
+def _short(caps: Caps) -> bool:
+    """Some phase has no room left even for the leanest choices."""
+    return any(min(part, default=0) < 0 for part in caps)
+
+
+def _within(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], caps: Caps, lean: Phases,
             fixed_s: float, sac_window: int, host_room: Optional[int]) -> Optional[list[Choice]]:
     """The least predicted time within the device room and the host room; None if nothing fits (or, where only
     pinned sac passes the host room, the decision without unpinned sac: the user's pins, as asked)."""
-    best = _best(costs, options, room, lean_peak_bytes, fixed_s, sac_window, 0.0)
+    best = _best(costs, options, caps, lean, fixed_s, sac_window, 0.0)
     if best is None or host_room is None or sac_host_bytes(costs, best) <= host_room:
         return best
     # The projections held on the host are a budget of their own: a price per host byte on the sac choice (a
@@ -305,11 +184,11 @@ def _within(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], roo
     # decision found within the host room (at worst the one without any unpinned sac).
     lo, hi = 0.0, _price_ceiling(costs)
     without = [[x for x in o if x is not Choice.SAC] or o for o in options]  # pinned sac stays
-    no_sac = _best(costs, without, room, lean_peak_bytes, fixed_s, sac_window, 0.0)
+    no_sac = _best(costs, without, caps, lean, fixed_s, sac_window, 0.0)
     feasible = [no_sac] if no_sac is not None and sac_host_bytes(costs, no_sac) <= host_room else []
     for _ in range(PRICE_STEPS):
         mid = (lo + hi) / 2
-        found = _best(costs, options, room, lean_peak_bytes, fixed_s, sac_window, mid)
+        found = _best(costs, options, caps, lean, fixed_s, sac_window, mid)
         if found is not None and sac_host_bytes(costs, found) <= host_room:
             feasible.append(found)
             hi = mid
@@ -317,7 +196,7 @@ def _within(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], roo
             lo = mid
     if not feasible:  # only pinned sac over the host room: the user's pins, as asked
         return no_sac
-    return min(feasible, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s, sac_window)[1])
+    return min(feasible, key=lambda ch: predict(costs, ch, lean, fixed_s, sac_window)[1])
 
 
 PRICE_STEPS = 8  # bisection steps of the host byte's price (sac under a host room)
@@ -334,18 +213,18 @@ def _price_ceiling(costs: Sequence[LayerCost]) -> float:
     return 2 * max([g for g in gains if g > 0], default=1e-12) + 1e-12
 
 
-def _best(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room: int, lean_peak_bytes: int,
+def _best(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], caps: Caps, lean: Phases,
           fixed_s: float, sac_window: int, price: float) -> Optional[list[Choice]]:
     """The least predicted time (plus `price` per sac host byte) within the device room; None if nothing fits.
     Two terms are a largest, not a sum over layers: the fill (the largest copy of a layer that offloads or chooses
     sac) and the sac window (the largest sac_bytes among those choosing sac). For each pair of values they can
     take, the best decision whose layers stay within both (the window's bytes taken from the room first)."""
-    if room < 0:
+    if _short(caps):
         return None
     candidates = []
     for sac_limit in [None] + _limits([c.sac_bytes for c, o in zip(costs, options) if Choice.SAC in o], SAC_LIMITS):
-        rest = room - (sac_window * sac_limit if sac_limit is not None else 0)
-        if rest < 0:
+        rest = _less(caps, sac_window * sac_limit if sac_limit is not None else 0)
+        if _short(rest):
             continue
         withins = [[x for x in o if x is not Choice.SAC or (sac_limit is not None and c.sac_bytes <= sac_limit)]
                    for c, o in zip(costs, options)]
@@ -360,12 +239,12 @@ def _best(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room:
                                 or (limit is not None and c.copy(x) <= limit)] or within)
             if not all(allowed):
                 continue  # a pin the window's limit excludes
-            found = _knapsack(costs, allowed, rest, price)
+            found = _knapsack(costs, allowed, rest, lean, price)
             if found is not None:
                 candidates.append(found)
     if not candidates:
         return None
-    return min(candidates, key=lambda ch: predict(costs, ch, lean_peak_bytes, fixed_s, sac_window)[1]
+    return min(candidates, key=lambda ch: predict(costs, ch, lean, fixed_s, sac_window)[1]
                + price * sac_host_bytes(costs, ch))
 
 
@@ -397,19 +276,24 @@ def _limits(values: Sequence[float], most: int) -> list:
     return sorted({distinct[round(k * (len(distinct) - 1) / (most - 1))] for k in range(most)})
 
 
-def _knapsack(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], room: int,
+def _knapsack(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], caps: Caps, phases: Phases,
               price: float = 0.0) -> Optional[list[Choice]]:
-    """Least total extra time with held bytes <= room, exact: the Pareto front of (bytes held, time) over the layers
-    so far (layers alike collapse to few sums). A front past FRONT_LIMIT states is thinned to the fastest state per
-    room / FRONT_LIMIT bytes: every state kept is exact (never over the room), the optimum may then be missed by
-    at most that much room. None if the leanest options do not fit."""
+    """Least total extra time with every phase within its cap (`Phases.caps`: the bytes the layers before layer k
+    hold, plus what its choice needs in its own forward and backward phases, and the bytes of layers 0..k for the
+    later phases), exact: the Pareto
+    front of (bytes held so far, time) over the layers so far (layers alike collapse to few sums; a prefix's bytes
+    are all a later cap needs). A front past FRONT_LIMIT states is thinned to the fastest state per
+    max(caps) / FRONT_LIMIT bytes: every state kept is exact (never over a cap), the optimum may then be missed by at
+    most that much room. None if the leanest options do not fit."""
     front: list[tuple[int, float, tuple[Choice, ...]]] = [(0, 0.0, ())]
-    for cost, opts in zip(costs, options):
+    fwd_caps, bwd_caps, later_caps = caps
+    for k, (cost, opts) in enumerate(zip(costs, options)):
         nxt: dict[int, tuple[float, tuple[Choice, ...]]] = {}
         for held, t, chosen in front:
             for c in opts:
                 h2 = held + cost.held(c)
-                if h2 > room:
+                fwd, bwd = phases.excess(k, cost, c)
+                if h2 > later_caps[k] or held + fwd > fwd_caps[k] or held + bwd > bwd_caps[k]:
                     continue
                 t2 = t + cost.extra_s(c) + (price * cost.sac_bytes if c is Choice.SAC else 0.0)
                 cur = nxt.get(h2)
@@ -422,7 +306,7 @@ def _knapsack(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], r
                 front.append((held, t, chosen))
                 fastest = t
         if len(front) > FRONT_LIMIT:
-            width = max(1, room // FRONT_LIMIT)
+            width = max(1, max(later_caps) // FRONT_LIMIT)
             thinned: dict[int, tuple[int, float, tuple[Choice, ...]]] = {}
             for state in front:  # ascending bytes, descending time: the last of a bucket is its fastest
                 thinned[state[0] // width] = state

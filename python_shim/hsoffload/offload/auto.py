@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .._logging import log_once
-from ..choose import SAC_WINDOW, Choice, Decision, LayerCost, choose, predict, prefetch_depths
+from ..choose import SAC_WINDOW, Choice, Decision, LayerCost, Phases, choose, predict, prefetch_depths
 from ..targets import LAYER_ATTR, unwrap_marking
 from .calibration import Shape, agreed_bucket, bucket_of, quadratic_attention
 from .ranks import Ranks
@@ -357,6 +357,73 @@ class _Probe:
     copy_s: float
     sac_bytes: int = 0  # the projections' outputs its recompute reads (0: the sac choice not offered)
     projection_s: float = 0.0
+    none_forward: int = 0  # its forward's peak above the bytes at its start, without checkpointing
+    none_backward: int = 0  # its backward's, above the bytes at the forward's start
+
+
+class _PhaseMeter:
+    """A calibration step's peak by phase (hsoffload.costs.Phases): the device's peak counter read and reset where
+    a phase ends, and the bytes allocated where one starts: at each layer's forward call (the patch's
+    `before_layer`, `after_layer`), from autograd hooks on the last layer's output (its backward starts: forward and
+    the head are over) and on each layer's input (its backward is over); the first layer's is read without a reset
+    (the step's own read, `_first_layer_backward_done`). Only in steps with one forward (`on` goes False at a
+    second)."""
+
+    def __init__(self, memory: "DeviceMemory", layers: int) -> None:
+        self.memory = memory
+        self.layers = layers
+        self.on = True
+        self.head: Optional[int] = None  # the last layer's forward's end to its backward's start
+        self.forward: dict[int, int] = {}  # per layer: its forward's peak
+        self.forward_start: dict[int, int] = {}
+        self.backward: dict[int, int] = {}  # per layer: its recompute and backward's peak
+        self.backward_start: dict[int, int] = {}
+        self.other = 0  # peaks of what ran between the phases (the embedding), or in them unread (a probe)
+        self.reserved: Optional[int] = None  # the largest reserved peak of the phases read
+
+    def read(self, reset: bool = True) -> int:
+        peak = int(self.memory.peak() or 0)
+        reserved = self.memory.reserved_peak()
+        if reserved is not None:
+            self.reserved = max(self.reserved or 0, int(reserved))
+        if reset:
+            self.memory.reset_peak()
+        return peak
+
+    def layer_started(self, i: int) -> None:
+        if not self.on:
+            return
+        if i > 0 and i - 1 in self.forward_start:
+            self.forward[i - 1] = self.read()
+        else:
+            self.other = max(self.other, self.read())
+        self.forward_start[i] = int(self.memory.allocated() or 0)
+
+    def last_layer_ended(self) -> None:
+        if self.on and self.layers - 1 in self.forward_start:
+            self.forward[self.layers - 1] = self.read()
+
+    def head_ended(self, grad: torch.Tensor) -> None:
+        if self.on and self.head is None:
+            self.head = self.read()
+            self.backward_start[self.layers - 1] = int(self.memory.allocated() or 0)
+
+    def backward_ended(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self.on and self.head is not None and i not in self.backward:
+                self.backward[i] = self.read(reset=i > 0)
+                if i > 0:
+                    self.backward_start[i - 1] = int(self.memory.allocated() or 0)
+        return hook
+
+    def complete(self) -> bool:
+        n = self.layers
+        return (self.on and self.head is not None and len(self.forward) == n and len(self.backward) == n
+                and len(self.backward_start) == n)
+
+    def largest(self) -> int:
+        """The largest phase read (the step's peak, where its counter was reset at each phase)."""
+        return max([self.head or 0, self.other, *self.forward.values(), *self.backward.values()])
 
 
 @dataclasses.dataclass
@@ -377,6 +444,11 @@ class Bucket:
     lean_probed: bool = True  # lean_increase comes from a step with a probe
     lean_forwards: int = 1  # forwards before one backward in the step lean_increase was measured in
     lean_step_s: Optional[float] = None
+    # The lean step's peak by phase (hsoffload.costs.Phases) above what the step started with, scaled to `shape`: the
+    # most of its calibration steps with one forward and without a probe (the probe's step's where it is the only
+    # one); None where no calibration step measured every phase (a flat bound from lean_increase is used then)
+    phases: Optional[Phases] = None
+    phases_probed: bool = True
     probe_step_increase: Optional[int] = None  # the probe's step's increase (scaled): a restored file's check
     decision: Optional[Decision] = None
     costs: list[LayerCost] = dataclasses.field(default_factory=list)
@@ -562,11 +634,30 @@ class AutoController:
                 self.bucket.probe_shape = self._step["shape"]
             elif self.ranks is not None and self.ranks.size > 1 and _signature(layer) not in self.collectives:
                 watch = _Collectives(self.collectives, _signature(layer))
+            meter: Optional[_PhaseMeter] = self._step["meter"]
+            if meter is not None:
+                if i > 0 and x.requires_grad:
+                    x.register_hook(meter.backward_ended(i))
+                meter.layer_started(i)
             self.bucket.held_keep[i] = x.numel() * x.element_size()
             self.bucket.forward_shape = self._step["shape"]
             self.memory.synchronize_compute()
             self._layer_t0 = (i, time.perf_counter())
         return watch
+
+    def after_layer(self, layer: torch.nn.Module, out: Any) -> None:
+        """Called after a decoder layer's forward call (not its recompute): a calibration step hooks the last
+        layer's output, whose gradient starts backward's first layer (the phases' meter)."""
+        step = self._step
+        if step is None or step["meter"] is None or step.get("output_hooked"):
+            return
+        if self.index.get(id(layer)) != len(self._layer_refs) - 1:
+            return
+        t = _first_tensor(out)
+        if t is not None and t.requires_grad:
+            step["output_hooked"] = True
+            step["meter"].last_layer_ended()
+            t.register_hook(step["meter"].head_ended)
 
     def _bind_device(self, device: torch.device) -> None:
         self.memory = DeviceMemory(device)
@@ -607,6 +698,8 @@ class AutoController:
         decides for the forwards seen (on every rank: the wish and the count are agreed there)."""
         assert self._step is not None
         self._step["forwards"] += 1
+        if self._step["meter"] is not None:
+            self._step["meter"].on = False  # phases are measured with one forward
         if self._step["forwards"] > self.forwards:
             self.forwards = self._step["forwards"]
             log_once("auto-forwards", logging.INFO, "hsoffload: policy auto: %d forwards before one backward: each "
@@ -641,6 +734,12 @@ class AutoController:
         self._mark(step, "t1")
         step["peak"] = self.memory.peak()
         step["reserved"] = self.memory.reserved_peak()
+        meter: Optional[_PhaseMeter] = step["meter"]
+        if meter is not None and meter.on and meter.head is not None:
+            meter.backward_ended(0)(grad)  # read, not reset: the rest of the step is the tail's
+            step["peak"] = max(int(step["peak"] or 0), meter.largest())
+            if meter.reserved is not None:
+                step["reserved"] = max(int(step["reserved"] or 0), meter.reserved)
 
     def at_optimizer_step(self) -> None:
         """An optimizer holding this model's parameters stepped: the step's whole peak (the embedding's gradient and
@@ -733,6 +832,7 @@ class AutoController:
         self._step = {"shape": shape, "bucket": b, "decided": decided,
                       "probe": not decided and not b.probes and watched,
                       "decision": b.decision, "hooks": 0, "forwards": 1,
+                      "meter": None if decided else _PhaseMeter(self.memory, len(self._layer_refs)),
                       "planned_forwards": b.decided_forwards if decided else self.forwards,
                       "unplanned": False, "start": start, "measured": measured,
                       "predicted": self.predicted_peak, "index": b.decision_index}
@@ -892,6 +992,7 @@ class AutoController:
             b.lean_increase = max(math.ceil(increase * top / forwards),
                                   math.ceil(b.lean_increase * top / b.lean_forwards))
             b.lean_forwards = top
+        self._calibrated_phases(b, step, act)
         if b.lean_step_s is None or not probed:  # a step without the probe's work, where there is one
             b.lean_step_s = measured_s * linear
         if reserved is not None:  # only grows (a decided step's overshoot may have grown it)
@@ -899,6 +1000,31 @@ class AutoController:
         if b.restored is not None:
             self._adopt = (b.shape, self._matches_restored(b))
         return None  # the bucket decides when a batch of it next comes (other buckets' decisions stand)
+
+    @staticmethod
+    def _calibrated_phases(b: Bucket, step: dict[str, Any], act: float) -> None:
+        """A calibration step's peak by phase, above its start and scaled like its increase (only what grew is
+        scaled up), into `b.phases`: the most per phase of the steps without a probe (the probe's where it is the
+        only one)."""
+        meter: Optional[_PhaseMeter] = step["meter"]
+        if meter is None or not meter.complete():
+            return
+        start, n = step["start"], meter.layers
+
+        def up(nbytes: int) -> int:
+            return math.ceil(nbytes * act) if nbytes > 0 else nbytes
+
+        assert meter.head is not None
+        now = Phases(up(meter.head - start), tuple(up(meter.backward[i] - start) for i in range(n)), 0,
+                     tuple(up(meter.forward[i] - start) for i in range(n)),
+                     tuple(up(meter.forward[i] - meter.forward_start[i]) for i in range(n)),
+                     tuple(up(meter.backward[i] - meter.backward_start[i]) for i in range(n)))
+        probed = bool(step["probe"])
+        if b.phases is None or (b.phases_probed and not probed):
+            b.phases, b.phases_probed = now, probed
+        elif probed == b.phases_probed:
+            b.phases = Phases(*(max(x, y) if isinstance(x, int) else tuple(map(max, x, y))
+                                for x, y in zip(dataclasses.astuple(b.phases), dataclasses.astuple(now))))
 
     def _verify_sac(self, decision: Decision, index: int, measured_s: float) -> Optional[str]:
         """A decision with sac: the median of its first VERIFY_STEPS steps against the prediction. sac's cost is the
@@ -961,22 +1087,23 @@ class AutoController:
                 sac_bytes=math.ceil(probe.sac_bytes * pl * forwards) if probe and self._selective_offered(
                     layers[k][1]) else 0,
                 projection_s=(probe.projection_s * pl) if probe else 0.0,
-                sac_extra_s=self.sac_extra_per_token.get(kind, 0.0) * b.tokens))
+                sac_extra_s=self.sac_extra_per_token.get(kind, 0.0) * b.tokens,
+                none_forward=math.ceil(probe.none_forward * pa * forwards) if probe else 0,
+                none_backward=math.ceil(probe.none_backward * pa * forwards) if probe else 0))
         lean = [Choice.OFFLOAD] * len(layers)
         lean_depth = self.sac_window - 1  # the configured prefetch depth, the calibration's
         _, lean_s = predict(costs, lean, 0, 0.0, self.sac_window, lean_depth)
         fixed_s = b.lean_step_s - lean_s  # the step without any layer's extra: what the lean step measured, less
-        lean_peak = self.lean_peak
-        assert lean_peak is not None
+        phases = self._lean_phases(b)
         if self.budget_arg is None:
             self._default_budget()
-        room = self.budget - self.margin - self.allocator_gap - lean_peak
+        slack = self.budget - self.margin - self.allocator_gap  # what the decision's predicted peak may reach
         host_room = self._host_room(costs)
-        costs, fixed_s, room, host_room = self._agree(costs, fixed_s, room, host_room)
+        costs, fixed_s, slack, phases, host_room = self._agree(costs, fixed_s, slack, phases, host_room)
         b.costs = costs
         b.decided_start_bytes = self.start_bytes
         # the agreed window: the ranks' deepest configured prefetch (one set of depths everywhere)
-        b.decision = choose(costs, lean_peak + room, lean_peak, fixed_s, self.pins, self.sac_window, host_room,
+        b.decision = choose(costs, slack, phases, fixed_s, self.pins, self.sac_window, host_room,
                             prefetch_depths=prefetch_depths(self.sac_window - 1))
         if self.start_bytes + self.tail_increase > self.budget:
             log_once("auto-tail-over", logging.WARNING, "hsoffload: policy auto: the step after backward (the "
@@ -994,6 +1121,16 @@ class AutoController:
         logger.info("hsoffload: policy auto, decision %d (%s; bucket %s, %d tokens; margin %.1f MiB)%s:\n%s",
                     self.decisions, why, b.shape.key(), b.tokens, self.margin / 2**20,
                     " REPORT ONLY, every layer offloaded" if self.report_only else "", b.decision.table(costs))
+
+    def _lean_phases(self, b: Bucket) -> Phases:
+        """Bucket `b`'s leanest step by phase, for a step that starts with what steps start with now: measured where
+        a calibration step with one forward measured every phase and steps run one forward; else one bound for every
+        phase (the lean peak, for the forwards steps run)."""
+        if b.phases is not None and max(self.forwards, b.lean_forwards) == 1:
+            return b.phases.shifted(self.start_bytes)
+        lean_peak = self.lean_peak
+        assert lean_peak is not None
+        return Phases.flat(lean_peak, len(self._layer_refs))
 
     def _selective_offered(self, layer: torch.nn.Module) -> bool:
         """Whether sac can be applied to `layer` now: its checkpoint is ready, or the selective one is installed."""
@@ -1097,6 +1234,8 @@ class AutoController:
                 "forward_shape": b.forward_shape.key() if b.forward_shape else None,
                 "lean_increase": b.lean_increase, "lean_forwards": b.lean_forwards, "lean_probed": b.lean_probed,
                 "probe_step_increase": b.probe_step_increase, "lean_step_s": b.lean_step_s,
+                "phases": dataclasses.asdict(b.phases) if b.phases is not None else None,
+                "phases_probed": b.phases_probed,
                 "forward_s": {str(k): v for k, v in b.forward_s.items()},
                 "held_keep": {str(k): v for k, v in b.held_keep.items()},
                 "probes": {r: dataclasses.asdict(b.probes[k]) for r, k in kinds.items()},
@@ -1204,7 +1343,12 @@ class AutoController:
             return
         kinds = {repr(k): k for k in b.probes}
         measured = b.probe_step_increase or 0
-        b.lean_increase = int(saved["lean_increase"]) + max(0, measured - int(saved["probe_step_increase"]))
+        grown = max(0, measured - int(saved["probe_step_increase"]))  # what the check measured beyond the file
+        b.lean_increase = int(saved["lean_increase"]) + grown
+        phases = saved.get("phases")
+        if phases and len(phases["backward"]) == len(self._layer_refs):
+            b.phases = Phases(**{k: v if isinstance(v, int) else tuple(v) for k, v in phases.items()}).shifted(grown)
+            b.phases_probed = bool(saved.get("phases_probed", True))
         b.lean_forwards, b.lean_probed = int(saved["lean_forwards"]), bool(saved["lean_probed"])
         b.lean_step_s = float(saved["lean_step_s"])
         b.probe_shape = Shape.parse(saved["probe_shape"]) if saved.get("probe_shape") else b.probe_shape
@@ -1234,26 +1378,37 @@ class AutoController:
         if self.bucket.ready(self.calibration_steps):
             self._decide(why)
 
-    def _agree(self, costs: list[LayerCost], fixed_s: float, room: int,
-               host_room: Optional[int]) -> tuple[list[LayerCost], float, int, Optional[int]]:
-        """On several ranks: each layer's largest cost over the ranks, the longest fixed time and the smallest rooms
-        (the device's, the host's), so that the deterministic chooser makes one decision everywhere. Raises on every
-        rank if the ranks' models or pins differ (a decision for different layers cannot be one)."""
+    def _agree(self, costs: list[LayerCost], fixed_s: float, slack: int, phases: Phases, host_room: Optional[int]
+               ) -> tuple[list[LayerCost], float, int, Phases, Optional[int]]:
+        """On several ranks: each layer's largest cost over the ranks, the longest fixed time, each phase's largest
+        lean peak and the smallest budgets (the device's, the host's), so that the deterministic chooser makes one
+        decision everywhere. Raises on every rank if the ranks' models or pins differ (a decision for different
+        layers cannot be one)."""
         assert self.ranks is not None
         if self.ranks.size == 1:
-            return costs, fixed_s, room, host_room
+            return costs, fixed_s, slack, phases, host_room
         fields = ("held_none", "held_keep", "forward_s", "backward_s", "copy_s", "sac_bytes", "projection_s",
-                  "sac_extra_s")
+                  "sac_extra_s", "none_forward", "none_backward")
         pins = zlib.crc32(repr(sorted((k, v.value) for k, v in self.pins.items())).encode())
         shape = zlib.crc32(repr([c.name for c in costs]).encode())
         flat = [float(getattr(c, f)) for c in costs for f in fields]
         unlimited = float(NEVER)
         # sac is offered for a layer only if every rank can apply it (-1 where offered: the max is -1 iff all are)
         offered = [-1.0 if c.sac_offered else 0.0 for c in costs]
+        # every rank's phases in one shape (a flat bound where one measured none: its per-layer tuples filled)
+        n = len(costs)
+        full = dataclasses.replace(phases, layers=phases.layers or (0,) * n,
+                                   layer_work=phases.layer_work or (1 << 50,) * n,
+                                   backward_work=phases.backward_work or (1 << 50,) * n)
+        lean = [float(v) for v in (full.forward, *full.backward, full.after, *full.layers)]
+        # the work figures are agreed by their smallest (the excess of a layer without checkpointing: the largest)
+        lean += [-float(v) for v in (*full.layer_work, *full.backward_work)]
         agreed, same = self.ranks.max_and_same(
-            flat + offered + [fixed_s, -room, -(unlimited if host_room is None else host_room), self.sac_window],
-            [shape, pins])
-        fixed_s, neg_room, neg_host, window = agreed[len(flat) + len(offered):]
+            flat + offered + lean + [fixed_s, -slack, -(unlimited if host_room is None else host_room),
+                                     self.sac_window], [shape, pins])
+        at = len(flat) + len(offered)
+        lean = [int(v) for v in agreed[at:at + len(lean)]]
+        fixed_s, neg_slack, neg_host, window = agreed[at + len(lean):]
         if not same:
             raise RuntimeError("hsoffload: policy auto: the ranks' models have different decoder layers, or "
                                "auto.pin() was given different pins on different ranks; every rank must run the same "
@@ -1265,9 +1420,12 @@ class AutoController:
             on = everywhere[k] < 0
             out.append(dataclasses.replace(c, held_none=int(v[0]), held_keep=int(v[1]), forward_s=v[2],
                                            backward_s=v[3], copy_s=v[4], sac_bytes=int(v[5]) if on else 0,
-                                           projection_s=v[6] if on else 0.0, sac_extra_s=v[7]))
+                                           projection_s=v[6] if on else 0.0, sac_extra_s=v[7],
+                                           none_forward=int(v[8]), none_backward=int(v[9])))
         self.sac_window = int(window)  # the deepest prefetch of the ranks: one window for all
-        return out, fixed_s, int(-neg_room), None if -neg_host >= unlimited else int(-neg_host)
+        agreed_phases = Phases(lean[0], tuple(lean[1:n + 1]), lean[n + 1], tuple(lean[n + 2:2 * n + 2]),
+                               tuple(-v for v in lean[2 * n + 2:3 * n + 2]), tuple(-v for v in lean[3 * n + 2:]))
+        return (out, fixed_s, int(-neg_slack), agreed_phases, None if -neg_host >= unlimited else int(-neg_host))
 
     def report(self) -> str:
         """The last decision made (whichever bucket it is for): why, and its table (empty before the first)."""
@@ -1446,20 +1604,31 @@ class AutoController:
                 probe_x = x.detach().requires_grad_(True)
                 probe_args = (probe_x,) + tuple(args[1:]) if args else ()
                 probe_kwargs = kwargs if args else {**kwargs, "hidden_states": probe_x}
+                meter: Optional[_PhaseMeter] = self._step["meter"] if self._step is not None else None
+                if meter is not None:  # the phase in progress: its peak so far kept, the counter the probe's now
+                    meter.other = max(meter.other, meter.read())
+                s0 = int(self.memory.allocated() or 0)
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
                         projections if projections is not None else contextlib.nullcontext()):
                     out = _first_tensor(run(layer, *probe_args, **probe_kwargs))
                 if out is None or not out.requires_grad:
                     return _Probe(NEVER, 0.0, self._copy_s(x))
+                none_forward = int(self.memory.peak() or 0) - s0
                 inputs = [probe_x] + [p for p in layer.parameters() if p.requires_grad]
                 t0 = self._sync_time()
+                if meter is not None:
+                    self.memory.reset_peak()
                 torch.autograd.grad(out, inputs, grad_outputs=torch.ones_like(out), allow_unused=True)
                 backward_s = self._sync_time() - t0
+                none_backward = int(self.memory.peak() or 0) - s0
                 del out
+                if meter is not None:
+                    meter.other = max(meter.other, meter.read())
         finally:
             layer.gradient_checkpointing = flag
         sac_bytes, projection_s = projections.measured() if projections is not None else (0, 0.0)
-        return _Probe(sum(saved.values()), backward_s, self._copy_s(x), sac_bytes, projection_s)
+        return _Probe(sum(saved.values()), backward_s, self._copy_s(x), sac_bytes, projection_s,
+                      max(0, none_forward), max(0, none_backward))
 
 
 def copy_time_s(x: torch.Tensor, sync_time: Callable[[], float], repeats: int = COPY_REPEATS) -> float:

@@ -226,8 +226,12 @@ def _make_layer_call(previous: Callable[..., Any], patch: ClassPatch) -> Callabl
             visit, args, due = _begin_layer(scope, self, args, kwargs, compiled=False, at_checkpoint=mark_inside)
             with observe:
                 if due:
-                    return _call_marking_at_checkpoint(previous, self, args, kwargs)
-                return previous(self, *args, **kwargs)
+                    out = _call_marking_at_checkpoint(previous, self, args, kwargs)
+                else:
+                    out = previous(self, *args, **kwargs)
+            if scope.auto is not None:
+                scope.auto.after_layer(self, out)
+            return out
         finally:
             if visit is not None:
                 scope.layer_tracker.end(visit)
