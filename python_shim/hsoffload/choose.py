@@ -124,6 +124,16 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean: Union[int, Phase
     lean_depth = sac_window - 1
     restorable = max((c.held_keep for c, o in zip(costs, options) if Choice.OFFLOAD in o or Choice.SAC in o), default=0)
     found: list[tuple[float, int, list[Choice]]] = []
+    # Without copies (none and keep only) the backward phases hold no restores: searched on their own phases
+    still = [[x for x in o if x in (Choice.NONE, Choice.KEEP)] for o in options]
+    if phases.restores and all(still):
+        uncopied = phases.without_copies()
+        caps_still = uncopied.caps(budget_bytes)
+        chosen = None if caps_still is None else _within(costs, still, caps_still, uncopied, fixed_s, sac_window,
+                                                         host_room)
+        if chosen is not None:
+            chosen = _canonical(costs, chosen, pins)
+            found.append((predict(costs, chosen, phases, fixed_s, sac_window)[0 + 1], -1, chosen))
     for depth in sorted({d for d in prefetch_depths if d >= 0}) or [None]:
         window = sac_window if depth is None else depth + 1
         ahead = 0 if depth is None else max(0, depth - lean_depth) * restorable

@@ -46,6 +46,16 @@ class Phases:
     layers: tuple[int, ...] = ()  # layer k's forward: the held bytes of the layers below it alive
     layer_work: tuple[int, ...] = ()  # layer k's forward peak above the bytes at its start
     backward_work: tuple[int, ...] = ()  # layer i's recompute and backward peak above the bytes at its start
+    # layer i's backward phase's restored inputs (its own and those prefetched at its unpack): gone from a step that
+    # copies nothing (`without_copies`)
+    restores: tuple[int, ...] = ()
+
+    def without_copies(self) -> "Phases":
+        """The phases of a step in which no layer offloads (none and keep only): no restores in backward."""
+        if not self.restores:
+            return self
+        return dataclasses.replace(self, backward=tuple(b - r for b, r in zip(self.backward, self.restores)),
+                                   restores=())
 
     @classmethod
     def flat(cls, lean_peak: int, layers: int) -> "Phases":
@@ -59,7 +69,7 @@ class Phases:
 
     def shifted(self, delta: int) -> "Phases":
         """Every phase `delta` bytes higher (what steps start with changed, a margin)."""
-        return dataclasses.replace(self, forward=self.forward + delta, after=self.after + delta,
+        return dataclasses.replace(self, forward=self.forward + delta, after=self.after + delta, restores=self.restores,
                                    backward=tuple(b + delta for b in self.backward),
                                    layers=tuple(f + delta for f in self.layers))
 
@@ -210,7 +220,10 @@ def predict(costs: Sequence[LayerCost], choices: Sequence[Choice], lean: Union[i
     phase (they are in flight in forward and in backward)."""
     window, ahead = (sac_window, 0) if depth is None else (depth + 1, max(0, depth - (sac_window - 1)))
     extra = window_bytes(costs, choices, window) + (ahead * _largest_restore(costs, choices) if ahead else 0)
-    peak = as_phases(lean, len(costs)).peak(costs, choices) + extra
+    phases = as_phases(lean, len(costs))
+    if not any(x in (Choice.OFFLOAD, Choice.SAC) for x in choices):
+        phases = phases.without_copies()
+    peak = phases.peak(costs, choices) + extra
     if depth is None:
         return peak, fixed_s + sum(c.extra_s(x) for c, x in zip(costs, choices)) + fill_s(costs, choices)
     return peak, fixed_s + pipeline_s(costs, choices, depth)

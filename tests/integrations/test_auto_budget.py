@@ -278,8 +278,10 @@ def test_a_second_forward_per_backward_after_calibration_stays_under() -> None:
     """From step 4 on, each step runs two forwards before one backward: the decision made for one forward is not
     changed between them (the first forward runs it, the extra forward runs every layer checkpointed and offloaded),
     the next step decides for two, and every step after is under the budget. The step where the second forward first
-    comes is the one auto cannot plan for (docs/usage.md): it may pass the budget by at most what a second forward
-    adds to the leanest step (its head and loss), measured here with every layer offloaded."""
+    comes is the one auto cannot plan for (docs/usage.md): the first forward's held bytes are alive through the whole
+    second graph, so it may pass the budget by what a second forward adds to the leanest step (its head and loss,
+    measured here with every layer offloaded) plus what the first forward's decision holds (at most what its layers
+    left uncheckpointed add, measured here)."""
     shape = (1, 512)
     two = lambda step: 1 if step < 4 else 2  # noqa: E731
     shapes = [shape] * 8
@@ -305,7 +307,8 @@ def test_a_second_forward_per_backward_after_calibration_stays_under() -> None:
     for h in handles:
         h.remove()
     _assert_under(peaks[:4] + peaks[5:], budget)
-    assert peaks[4] <= budget + (lean[2] - lean[1]), (peaks[4], budget, lean)
+    held = _fixed_peak(shape, 3) - _fixed_peak(shape, 0)  # the most a half-way decision's layers hold
+    assert peaks[4] <= budget + (lean[2] - lean[1]) + held, (peaks[4], budget, lean, held)
     _assert_bitwise(model, losses, ref)
     ctl = auto.controller(model)
     assert ctl.forwards == 2

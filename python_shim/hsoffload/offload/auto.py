@@ -835,7 +835,7 @@ class AutoController:
                       "meter": None if decided else _PhaseMeter(self.memory, len(self._layer_refs)),
                       "planned_forwards": b.decided_forwards if decided else self.forwards,
                       "unplanned": False, "start": start, "measured": measured,
-                      "predicted": self.predicted_peak, "index": b.decision_index}
+                      "predicted": self.predicted_peak, "index": b.decision_index, "budget": self.budget}
         self._apply(scope)
         if measured:
             b.measured_decision = b.decision_index
@@ -948,24 +948,26 @@ class AutoController:
         if decision is None or step["unplanned"]:  # more forwards than decided for: decided again, not verified
             return None
         self.decided_steps += 1
+        budget = step["budget"]  # the budget the step ran under (the user's may have changed since: a new budget
+        # is the next decision's, never held against a step of the last one)
         expected = max(predicted, step["start"] + self.tail_increase)
         if self.decided_steps == 1 or (own is not None and own > expected):
             logger.info("hsoffload: policy auto: step measured %s peak (predicted %.1f, budget %.1f), %.1f ms "
                         "(predicted %.1f)", "an earlier" if own is None else f"{own / 2**20:.1f} MiB",
-                        expected / 2**20, self.budget / 2**20, measured_s * 1e3, decision.step_s * 1e3)
+                        expected / 2**20, budget / 2**20, measured_s * 1e3, decision.step_s * 1e3)
         over = 0
         if own is not None and own > expected:
             over = own - expected
             self.margin += over
-            if predicted + over + self.allocator_gap > self.budget:
+            if predicted + over + self.allocator_gap > budget:
                 self.replans += 1
                 return f"the measured peak {own / 2**20:.1f} MiB passed the prediction by {over / 2**20:.1f} MiB"
         if not step["measured"] and reserved is not None and reserved <= step["reserved0"]:
             reserved = None  # reached before this step (or between steps): not this step's
-        if reserved is not None and reserved - self.budget > over and decision.fits:
+        if reserved is not None and reserved - budget > over and decision.fits:
             # What the allocator reserved passed the budget by more than the lent bytes' overshoot (now in the
             # margin): fragmentation beyond the gap measured; the gap grows by the rest and the decision is made again
-            over = reserved - self.budget - over
+            over = reserved - budget - over
             self.allocator_gap += over
             self.replans += 1
             return (f"the allocator reserved {reserved / 2**20:.1f} MiB, {over / 2**20:.1f} MiB over the budget "
@@ -992,7 +994,7 @@ class AutoController:
             b.lean_increase = max(math.ceil(increase * top / forwards),
                                   math.ceil(b.lean_increase * top / b.lean_forwards))
             b.lean_forwards = top
-        self._calibrated_phases(b, step, act)
+        self._calibrated_phases(b, step, act, linear, self.sac_window - 1)
         if b.lean_step_s is None or not probed:  # a step without the probe's work, where there is one
             b.lean_step_s = measured_s * linear
         if reserved is not None:  # only grows (a decided step's overshoot may have grown it)
@@ -1002,7 +1004,7 @@ class AutoController:
         return None  # the bucket decides when a batch of it next comes (other buckets' decisions stand)
 
     @staticmethod
-    def _calibrated_phases(b: Bucket, step: dict[str, Any], act: float) -> None:
+    def _calibrated_phases(b: Bucket, step: dict[str, Any], act: float, linear: float, depth: int) -> None:
         """A calibration step's peak by phase, above its start and scaled like its increase (only what grew is
         scaled up), into `b.phases`: the most per phase of the steps without a probe (the probe's where it is the
         only one)."""
@@ -1018,7 +1020,11 @@ class AutoController:
         now = Phases(up(meter.head - start), tuple(up(meter.backward[i] - start) for i in range(n)), 0,
                      tuple(up(meter.forward[i] - start) for i in range(n)),
                      tuple(up(meter.forward[i] - meter.forward_start[i]) for i in range(n)),
-                     tuple(up(meter.backward[i] - meter.backward_start[i]) for i in range(n)))
+                     tuple(up(meter.backward[i] - meter.backward_start[i]) for i in range(n)),
+                     # each backward phase's restored inputs: the `depth` below it (prefetched at its unpack) and its
+                     # own (prefetched at the layer above's; the last layer's is its own phase's work, in the excess)
+                     tuple(math.floor(sum(b.held_keep.get(j, 0) for j in range(max(0, i - depth), i))
+                                      * linear) for i in range(n)))
         probed = bool(step["probe"])
         if b.phases is None or (b.phases_probed and not probed):
             b.phases, b.phases_probed = now, probed
@@ -1403,6 +1409,7 @@ class AutoController:
         lean = [float(v) for v in (full.forward, *full.backward, full.after, *full.layers)]
         # the work figures are agreed by their smallest (the excess of a layer without checkpointing: the largest)
         lean += [-float(v) for v in (*full.layer_work, *full.backward_work)]
+        lean += [-float(v) for v in (phases.restores or (0,) * n)]  # subtracted: the smallest
         agreed, same = self.ranks.max_and_same(
             flat + offered + lean + [fixed_s, -slack, -(unlimited if host_room is None else host_room),
                                      self.sac_window], [shape, pins])
@@ -1424,7 +1431,8 @@ class AutoController:
                                            none_forward=int(v[8]), none_backward=int(v[9])))
         self.sac_window = int(window)  # the deepest prefetch of the ranks: one window for all
         agreed_phases = Phases(lean[0], tuple(lean[1:n + 1]), lean[n + 1], tuple(lean[n + 2:2 * n + 2]),
-                               tuple(-v for v in lean[2 * n + 2:3 * n + 2]), tuple(-v for v in lean[3 * n + 2:]))
+                               tuple(-v for v in lean[2 * n + 2:3 * n + 2]), tuple(-v for v in lean[3 * n + 2:4 * n + 2]),
+                               tuple(-v for v in lean[4 * n + 2:]))
         return (out, fixed_s, int(-neg_slack), agreed_phases, None if -neg_host >= unlimited else int(-neg_host))
 
     def report(self) -> str:
