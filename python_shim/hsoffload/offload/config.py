@@ -61,8 +61,9 @@ class OffloadConfig:
     keep_last_layers: int = _default("keep_last_layers")  # the last k decoder layers keep their tensors on the device
     offload_fraction: float = _default("offload_fraction")  # share of the other decoder layers (the first) that offload
     offload_output_head: bool = _default("offload_output_head")  # policy "all": also the saves of the output head
-    # Policy "auto" (hsoffload.offload.auto): the device bytes a step may peak at (None: the device's memory less 5 %),
-    # the steps that measure before the first decision, deciding without applying, and where its measurements are kept.
+    # Policy "auto" (hsoffload.offload.auto): the device bytes a step may peak at (None: the one rule,
+    # hsoffload.offload.auto.default_budget), the steps that measure before the first decision, deciding without
+    # applying, and where its measurements are kept.
     device_budget: Optional[int] = _default("device_budget")
     auto_calibration_steps: int = _default("auto_calibration_steps")
     auto_report_only: bool = _default("auto_report_only")

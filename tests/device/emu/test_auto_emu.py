@@ -374,7 +374,7 @@ def test_sac_slower_than_its_model_is_learned_and_dropped(dev: torch.device, ref
         time.sleep(0.003)
         return auto._projections_to_host(ctx, op, *args, **kwargs)
 
-    monkeypatch.setattr(auto, "SAC_CONTEXT", functools.partial(create_selective_checkpoint_contexts, slow_policy))
+    monkeypatch.setattr(auto.selective, "SAC_CONTEXT", functools.partial(create_selective_checkpoint_contexts, slow_policy))
     sac_bytes = SEQ * (4 * 64 + 2 * 256 + 64) * 4  # a layer's projections (q, k, v, o, gate, up, down), float32
     gc.collect()
     budget = (reference["lean_peak"] + hsemu.stats()["allocated_bytes"]  # what earlier tests left counted
