@@ -120,7 +120,7 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean: Union[int, Phase
     options = [[pins[c.name]] if c.name in pins else
                [x for x in Choice if x is not Choice.SAC or c.sac_offered] for c in costs]
     phases = as_phases(lean, len(costs))
-    caps = phases.caps(budget_bytes)  # per layer, the most the layers up to it may hold (None: the lean step does not fit)
+    caps = phases.caps(budget_bytes)  # per layer, what the layers before it may hold (None: the lean step does not fit)
     lean_depth = sac_window - 1
     restorable = max((c.held_keep for c, o in zip(costs, options) if Choice.OFFLOAD in o or Choice.SAC in o), default=0)
     found: list[tuple[float, int, list[Choice]]] = []

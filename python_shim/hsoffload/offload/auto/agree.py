@@ -1,17 +1,17 @@
-"""Agreement across ranks: every rank of a job applies one decision from the same step on (`hsoffload.offload.ranks`)."""
+"""Agreement across ranks: every rank of a job applies one decision from the same step on
+(`hsoffload.offload.ranks`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import zlib
 from typing import Optional
 
-
 from ...choose import LayerCost, Phases
 from ..calibration import Shape, agreed_bucket
-
-from .records import NEVER
+from .records import NEVER, Wish
 
 logger = logging.getLogger("hsoffload")
 
@@ -19,7 +19,7 @@ logger = logging.getLogger("hsoffload")
 class AgreeMixin:
     """The controller's collectives: one per micro-batch (the bucket and the wishes), one per decision (the costs)."""
 
-    def _agree_step(self, local: Shape, want: int, boundary: bool,
+    def _agree_step(self, local: Shape, want: Wish, boundary: bool,
                     adopt: Optional[tuple[Shape, bool]]) -> tuple[Shape, int, bool, bool, int]:
         """The ranks' one collective per micro-batch (at its first layer): the bucket (the largest batch, length
         and attention of the ranks'), the strongest wish to decide (0 none, 1 due, 2 the running decision no longer
@@ -33,7 +33,7 @@ class AgreeMixin:
             self.decisions, adopt[0].key() if adopt else None)).encode())
         failed = 1.0 if adopt is not None and not adopt[1] else 0.0
         agreed, same = self.ranks.max_and_same(
-            [local.batch, local.length, 1.0 if local.quadratic else 0.0, want, 0.0 if boundary else 1.0, failed,
+            [local.batch, local.length, 1.0 if local.quadratic else 0.0, float(want), 0.0 if boundary else 1.0, failed,
              self.forwards], [state])
         if not same:
             raise RuntimeError("hsoffload: policy auto: the ranks' models or auto states differ (decoder layers, the "
@@ -89,6 +89,26 @@ class AgreeMixin:
                                            none_forward=int(v[8]), none_backward=int(v[9])))
         self.sac_window = int(window)  # the deepest prefetch of the ranks: one window for all
         agreed_phases = Phases(lean[0], tuple(lean[1:n + 1]), lean[n + 1], tuple(lean[n + 2:2 * n + 2]),
-                               tuple(-v for v in lean[2 * n + 2:3 * n + 2]), tuple(-v for v in lean[3 * n + 2:4 * n + 2]),
+                               tuple(-v for v in lean[2 * n + 2:3 * n + 2]),
+                               tuple(-v for v in lean[3 * n + 2:4 * n + 2]),
                                tuple(-v for v in lean[4 * n + 2:]))
         return (out, fixed_s, int(-neg_slack), agreed_phases, None if -neg_host >= unlimited else int(-neg_host))
+
+    def _agree_micro_batch(self, local: Shape, wish: Wish, boundary: bool, reason: Optional[str]
+                           ) -> tuple[Shape, Wish, bool, Optional[str]]:
+        """The micro-batch's bucket, wish and optimizer-step boundary, agreed across ranks (one collective per
+        micro-batch on every rank), and a restored bucket's check settled where every rank's passed."""
+        adopt, self._adopt = self._adopt, None
+        target, adopt_ok = local, adopt is not None and adopt[1]
+        if self.ranks.size > 1:
+            t0 = time.perf_counter()
+            target, wish_any, boundary, adopt_ok, forwards = self._agree_step(local, wish, boundary, adopt)
+            self.agree_s.append(time.perf_counter() - t0)
+            self.forwards = forwards
+            if wish_any > wish:
+                reason = reason or "another rank's measurements changed (its peak, its start bytes or its calibration)"
+                wish = Wish(int(wish_any))
+        if adopt is not None:
+            self._settle_restored(self.buckets[adopt[0]], adopt_ok)
+        return target, wish, boundary, reason
+

@@ -10,7 +10,6 @@ import torch
 
 from ...choose import Choice
 from ...targets import LAYER_ATTR
-
 from . import selective
 from .selective import _is_selective, _selective_ready
 
@@ -26,7 +25,7 @@ class ApplyMixin:
         """What each layer runs with now."""
         if self.bucket.decision is None or self.report_only:
             return [Choice.OFFLOAD] * len(self.layers)  # calibration (the lean baseline), or report only
-        if self._step is not None and self._step["unplanned"]:
+        if self._step is not None and self._step.unplanned:
             # a forward beyond those the decision was made for: the leanest the ranks can run apart
             if self.ranks is not None and self.ranks.size > 1:
                 return [c if c is Choice.NONE else Choice.OFFLOAD for c in self.bucket.decision.choices]

@@ -17,25 +17,24 @@ from ...choose import SAC_WINDOW, Choice, Decision, LayerCost
 from ...targets import LAYER_ATTR
 from ..calibration import Shape, bucket_of
 from ..ranks import Ranks
-
-from .device import BUDGET_FRACTION, DeviceMemory, default_budget
-from .layers import _first_tensor, _shape, _signature
-from .phases import _PhaseMeter
-from .probe import _Collectives
-from .records import Bucket, StepRecord
-from .optimizer import _optimizer_steps
 from .agree import AgreeMixin
 from .apply import ApplyMixin
 from .decide import DecideMixin
+from .device import BUDGET_FRACTION, DeviceMemory, default_budget
+from .layers import _first_tensor, _shape, _signature
 from .measure import MeasureMixin
-from .probe import ProbeMixin
+from .phases import _PhaseMeter
+from .probe import ProbeMixin, _Collectives
+from .records import Bucket, Step, StepRecord
 from .report import DECISION_LOG, HISTORY, ReportMixin
 from .state import StateMixin
+from .steps import StepsMixin
 
 logger = logging.getLogger("hsoffload")
 
 
-class AutoController(ProbeMixin, AgreeMixin, StateMixin, ApplyMixin, MeasureMixin, DecideMixin, ReportMixin):
+class AutoController(StepsMixin, ProbeMixin, AgreeMixin, StateMixin, ApplyMixin, MeasureMixin, DecideMixin,
+                     ReportMixin):
     """policy "auto" for one model: calibration, the decision, its application and verification."""
 
     def __init__(self, model: torch.nn.Module, layer_cls: type, budget: Optional[int], calibration_steps: int,
@@ -101,7 +100,7 @@ class AutoController(ProbeMixin, AgreeMixin, StateMixin, ApplyMixin, MeasureMixi
         self.decided_steps = 0
         self.ranks: Optional[Ranks] = None  # the job's ranks, agreeing on every decision (bound with the device)
         self._pending: Optional[str] = None  # a reason to decide again at the next step's start (all ranks at once)
-        self._step: Optional[dict[str, Any]] = None  # the step in progress
+        self._step: Optional[Step] = None  # the step in progress
         self._layer_t0: Optional[tuple[int, float]] = None
         self._flags: dict[int, bool] = {}  # each layer's gradient_checkpointing before this controller set it
         # `sac` layers: their own checkpoint function (the instance's attribute, or _ABSENT), and the selective one
@@ -168,34 +167,34 @@ class AutoController(ProbeMixin, AgreeMixin, StateMixin, ApplyMixin, MeasureMixi
         if self.memory is None:
             self._bind_device(x.device)
         if i == 0:
-            if self._step is not None and self._step["hooks"] > 0 and "t1" not in self._step:
+            if self._step is not None and self._step.hooks > 0 and self._step.t1 is None:
                 self._another_forward(scope, _shape(layer, x, args, kwargs))  # one step, two graphs
             else:
                 self._new_step(scope, x, _shape(layer, x, args, kwargs))
             if x.requires_grad:  # the step's measurements end when backward has passed every forward's first layer
-                self._step["hooks"] += 1
+                self._step.hooks += 1
                 x.register_hook(self._first_layer_backward_done)
             else:
                 log_once("auto-no-grad-input", logging.INFO,
                          "hsoffload: policy auto: the first decoder layer's input does not require grad (frozen "
                          "embeddings, LoRA without enable_input_require_grads): a step's peak and time are read "
                          "when the next one starts, and include the optimizer's step")
-        calibrating = self._step is not None and not self._step["decided"]
+        calibrating = self._step is not None and not self._step.decided
         watch = None
         if calibrating:
             self._time_previous_layer(i)
-            if self._step["probe"]:
+            if self._step.probe:
                 self._maybe_probe(layer, i, x, args, kwargs, run)
-                self.bucket.probe_shape = self._step["shape"]
+                self.bucket.probe_shape = self._step.shape
             elif self.ranks is not None and self.ranks.size > 1 and _signature(layer) not in self.collectives:
                 watch = _Collectives(self.collectives, _signature(layer))
-            meter: Optional[_PhaseMeter] = self._step["meter"]
+            meter: Optional[_PhaseMeter] = self._step.meter
             if meter is not None:
                 if i > 0 and x.requires_grad:
                     x.register_hook(meter.backward_ended(i))
                 meter.layer_started(i)
             self.bucket.held_keep[i] = x.numel() * x.element_size()
-            self.bucket.forward_shape = self._step["shape"]
+            self.bucket.forward_shape = self._step.shape
             self.memory.synchronize_compute()
             self._layer_t0 = (i, time.perf_counter())
         return watch
@@ -204,15 +203,15 @@ class AutoController(ProbeMixin, AgreeMixin, StateMixin, ApplyMixin, MeasureMixi
         """Called after a decoder layer's forward call (not its recompute): a calibration step hooks the last
         layer's output, whose gradient starts backward's first layer (the phases' meter)."""
         step = self._step
-        if step is None or step["meter"] is None or step.get("output_hooked"):
+        if step is None or step.meter is None or step.output_hooked:
             return
         if self.index.get(id(layer)) != len(self._layer_refs) - 1:
             return
         t = _first_tensor(out)
         if t is not None and t.requires_grad:
-            step["output_hooked"] = True
-            step["meter"].last_layer_ended()
-            t.register_hook(step["meter"].head_ended)
+            step.output_hooked = True
+            step.meter.last_layer_ended()
+            t.register_hook(step.meter.head_ended)
 
     def _bind_device(self, device: torch.device) -> None:
         self.memory = DeviceMemory(device)
@@ -238,65 +237,6 @@ class AutoController(ProbeMixin, AgreeMixin, StateMixin, ApplyMixin, MeasureMixi
             self.bucket.forward_s[i - 1] = time.perf_counter() - self._layer_t0[1]
         self._layer_t0 = None
 
-    def _another_forward(self, scope: Any, shape: Shape) -> None:
-        """A forward whose first layer runs before the previous forward's backward reached it (two losses, one
-        backward): each holds what its choices keep. A decision is never changed between the forwards of one step:
-        a forward beyond those the decision was made for, or of a shape its bucket does not cover, runs the leanest
-        choice the ranks can run apart (one process: every layer offloaded; several: the decision's `none` layers
-        stay, every other layer offloads, so that every rank recomputes the same layers), and the next micro-batch
-        decides for the forwards seen (on every rank: the wish and the count are agreed there)."""
-        assert self._step is not None
-        self._step["forwards"] += 1
-        if self._step["meter"] is not None:
-            self._step["meter"].on = False  # phases are measured with one forward
-        if self._step["forwards"] > self.forwards:
-            self.forwards = self._step["forwards"]
-            log_once("auto-forwards", logging.INFO, "hsoffload: policy auto: %d forwards before one backward: each "
-                     "holds what the decision keeps, and the decisions count them", self.forwards)
-        step_bucket: Bucket = self._step["bucket"]
-        larger = not step_bucket.shape.covers(bucket_of(shape))
-        if larger:
-            log_once("auto-forward-shape", logging.INFO, "hsoffload: policy auto: a later forward of one step has a "
-                     "larger shape (%s) than its first (%s): it runs every checkpointed layer offloaded",
-                     shape.key(), step_bucket.shape.key())
-        if (self._step["forwards"] <= self._step["planned_forwards"] and not larger) or self._step["unplanned"]:
-            return
-        self._step["unplanned"] = True
-        if self._step["decided"]:
-            if not larger:
-                self._urgent = f"{self.forwards} forwards before one backward"
-                logger.info("hsoffload: policy auto: forward %d of a step whose decision was made for %d: it runs "
-                            "every checkpointed layer offloaded, and the next micro-batch decides for %d",
-                            self._step["forwards"], self._step["planned_forwards"], self.forwards)
-            self._apply(scope)
-
-    def _first_layer_backward_done(self, grad: torch.Tensor) -> None:
-        """The gradient of a forward's first layer input: once every forward's has come, every layer's backward ran.
-        The step's forward-and-backward peak and time are read here, before the embedding's gradient and the
-        optimizer's step (their peak is read at the optimizer's step: `at_optimizer_step`)."""
-        step = self._step
-        if step is None or "t1" in step:
-            return
-        step["hooks"] -= 1
-        if step["hooks"] > 0:
-            return
-        self._mark(step, "t1")
-        step["peak"] = self.memory.peak()
-        step["reserved"] = self.memory.reserved_peak()
-        meter: Optional[_PhaseMeter] = step["meter"]
-        if meter is not None and meter.on and meter.head is not None:
-            meter.backward_ended(0)(grad)  # read, not reset: the rest of the step is the tail's
-            step["peak"] = max(int(step["peak"] or 0), meter.largest())
-            if meter.reserved is not None:
-                step["reserved"] = max(int(step["reserved"] or 0), meter.reserved)
-
-    def at_optimizer_step(self) -> None:
-        """An optimizer holding this model's parameters stepped: the step's whole peak (the embedding's gradient and
-        the optimizer's step included) is read now."""
-        step = self._step
-        if step is not None and "t1" in step and self.memory is not None:
-            step["whole"] = self.memory.peak()
-
     def _new_step(self, scope: Any, x: torch.Tensor, shape: Shape) -> None:
         """A micro-batch starts: the last one is recorded; it runs in its shape's bucket (on several ranks, the
         largest of the ranks' buckets), calibrating where the bucket is not measured yet and with the bucket's
@@ -308,103 +248,24 @@ class AutoController(ProbeMixin, AgreeMixin, StateMixin, ApplyMixin, MeasureMixi
         reason, self._pending = reason or self._pending, None
         urgent, self._urgent = self._urgent, None
         start = int(self.memory.allocated() or 0)
-        boundary = _optimizer_steps.at_boundary(self)
-        # Decisions count what steps start with at the most over the last optimizer step's micro-batches (the later
-        # ones start with the gradients the first accumulated).
-        if boundary:
-            self._cycle_starts = (self._cycle_starts[1], start)
-        else:
-            self._cycle_starts = (self._cycle_starts[0], max(self._cycle_starts[1], start))
-        self.start_bytes = max(self._cycle_starts)
+        boundary = self._count_start(start)
         if not self._state_read:
             self._state_read = True
             self._read_state()
         local = bucket_of(shape)
-        mine = self.buckets.get(local)
-        if (reason is None and mine is not None and mine.decision is not None and not self.report_only
-                and self.start_bytes > mine.decided_start_bytes + 0.01 * self.budget):
-            reason = (f"steps now start with {(self.start_bytes - mine.decided_start_bytes) / 2**20:.1f} MiB more "
-                      "on the device (the optimizer's states, gradients, or another model)")
-        # 0: nothing to decide; 1: a decision is due (at the next optimizer step); 2: at once (a decision no longer
-        # fits at what this step starts with, whatever bucket it is for; more forwards than decided for)
-        want = 0 if reason is None and urgent is None else 1
-        unfit = [b for b in self.buckets.values() if b.decision is not None and b.decision.fits
-                 and self._predicted_at(b, start) > self.budget]
-        if unfit:
-            reason = reason or (f"a decision no longer fits: this step starts with {start / 2**20:.1f} MiB on the "
-                                "device")
-        if urgent is not None or unfit:
-            want = 2
-        adopt = self._adopt
-        self._adopt = None
-        target, adopt_ok = local, adopt is not None and adopt[1]
-        if self.ranks.size > 1:  # one collective per micro-batch on every rank: buckets, wishes, the step boundary
-            t0 = time.perf_counter()
-            target, want_any, boundary, adopt_ok, forwards = self._agree_step(local, want, boundary, adopt)
-            self.agree_s.append(time.perf_counter() - t0)
-            self.forwards = forwards
-            if want_any > want:
-                reason = reason or "another rank's measurements changed (its peak, its start bytes or its calibration)"
-                want = int(want_any)
+        reason, wish = self._wish(local, start, reason, urgent)
+        target, wish, boundary, reason = self._agree_micro_batch(local, wish, boundary, reason)
         reason = reason or urgent
         if reason is not None:  # a changed measurement, budget or pin: every bucket's decision is made again
             for b in self.buckets.values():
                 if b.decision is not None:
                     b.stale = b.stale or reason
-        if adopt is not None:
-            self._settle_restored(self.buckets[adopt[0]], adopt_ok)
         ended = self.bucket  # the last step's: calibrated by it, it is decided for now (not at its next batch)
         if ended.decision is None and ended.ready(self.calibration_steps):
             self._decide(ended.stale or "calibrated")
         self._enter(target, shape)
-        b = self.bucket
-        if b.ready(self.calibration_steps):
-            if b.decision is None:
-                self._decide(b.stale or "calibrated")
-            elif b.decided_forwards < self.forwards:
-                self._decide(b.stale or f"{self.forwards} forwards before one backward")
-            elif b.stale is not None and (boundary or want == 2):
-                self._decide(b.stale)
-        decided = b.decision is not None
-        # Measured steps (the device's peak counter reset at their start): calibration, a decision's first step in
-        # its bucket. Other steps leave the counter alone, so that an outer reader (the Trainer's memory metrics, a
-        # user's max_memory_allocated) sees their peaks too; they are verified by the counter's running maximum.
-        measured = not decided or b.measured_decision != b.decision_index
-        # The reserved peak must be the lean step's or the decision's own, not a cache an earlier step left (the
-        # probe's, or a decision that held more): the last calibration step and a decision's first step start with
-        # the allocator's cache given back.
-        fresh = (b.decision_index, decided, b.calibrated)
-        if (decided or b.calibrated == self.calibration_steps - 1) and fresh != b.fresh:
-            b.fresh = fresh
-            self.memory.empty_cache()
-        watched = self.ranks.size == 1 or all(_signature(m) in self.collectives for _, m in self.layers)
-        self._step = {"shape": shape, "bucket": b, "decided": decided,
-                      "probe": not decided and not b.probes and watched,
-                      "decision": b.decision, "hooks": 0, "forwards": 1,
-                      "meter": None if decided else _PhaseMeter(self.memory, len(self._layer_refs)),
-                      "planned_forwards": b.decided_forwards if decided else self.forwards,
-                      "unplanned": False, "start": start, "measured": measured,
-                      "predicted": self.predicted_peak, "index": b.decision_index, "budget": self.budget}
-        self._apply(scope)
-        if measured:
-            b.measured_decision = b.decision_index
-            self.memory.reset_peak()
-        self._step["counter0"] = 0 if measured else int(self.memory.peak() or 0)
-        self._step["reserved0"] = 0 if measured else int(self.memory.reserved_peak() or 0)
-        self._mark(self._step, "t0")
+        self._decide_due(wish, boundary)
+        self._begin(scope, shape, start)
 
-    def _enter(self, target: Shape, shape: Shape) -> None:
-        """Run the coming step in bucket `target` (made, or taken from the restored file, at first use)."""
-        b = self.buckets.get(target)
-        if b is None:
-            b = Bucket(target)
-            restored = self._restored.pop(target.key(), None)
-            if restored is not None:
-                b.restored = restored
-            self.buckets[target] = b
-            if len(self.buckets) > 1 or target != shape:
-                logger.info("hsoffload: policy auto: a batch of shape %dx%d%s: calibrating for its bucket, up to "
-                            "%dx%d (%d calibrating steps)", shape.batch, shape.length,
-                            " (quadratic attention)" if shape.quadratic else "", target.batch, target.length,
-                            self.calibration_steps)
-        self.bucket = b
+
+

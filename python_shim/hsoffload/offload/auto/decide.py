@@ -6,13 +6,12 @@ import logging
 import math
 from typing import Optional
 
-
 from ..._logging import log_once
 from ...choose import Choice, LayerCost, Phases, choose, predict, prefetch_depths
-
+from ..calibration import Shape
 from .device import BUDGET_FRACTION, HEADROOM_FRACTION, default_budget
 from .layers import _signature
-from .records import Bucket, NEVER
+from .records import NEVER, Bucket, Wish
 
 logger = logging.getLogger("hsoffload")
 
@@ -145,3 +144,37 @@ class DecideMixin:
                 b.stale = b.stale or why
         if self.bucket.ready(self.calibration_steps):
             self._decide(why)
+
+    def _wish(self, local: Shape, start: int, reason: Optional[str], urgent: Optional[str]
+              ) -> tuple[Optional[str], Wish]:
+        """Whether this rank wishes a decision at this micro-batch's start, and why: what steps start with grew
+        (a due decision), a decision no longer fits what this step starts with, whatever bucket it is for, or more
+        forwards came than decided for (at once)."""
+        mine = self.buckets.get(local)
+        if (reason is None and mine is not None and mine.decision is not None and not self.report_only
+                and self.start_bytes > mine.decided_start_bytes + 0.01 * self.budget):
+            reason = (f"steps now start with {(self.start_bytes - mine.decided_start_bytes) / 2**20:.1f} MiB more "
+                      "on the device (the optimizer's states, gradients, or another model)")
+        wish = Wish.NOTHING if reason is None and urgent is None else Wish.DUE
+        unfit = [b for b in self.buckets.values() if b.decision is not None and b.decision.fits
+                 and self._predicted_at(b, start) > self.budget]
+        if unfit:
+            reason = reason or (f"a decision no longer fits: this step starts with {start / 2**20:.1f} MiB on the "
+                                "device")
+        if urgent is not None or unfit:
+            wish = Wish.NOW
+        return reason, wish
+
+    def _decide_due(self, wish: Wish, boundary: bool) -> None:
+        """The running bucket's decision where it is due: its first once calibrated, one for more forwards, and a
+        stale one at an optimizer step's first micro-batch (or at once where wished)."""
+        b = self.bucket
+        if not b.ready(self.calibration_steps):
+            return
+        if b.decision is None:
+            self._decide(b.stale or "calibrated")
+        elif b.decided_forwards < self.forwards:
+            self._decide(b.stale or f"{self.forwards} forwards before one backward")
+        elif b.stale is not None and (boundary or wish is Wish.NOW):
+            self._decide(b.stale)
+

@@ -7,7 +7,6 @@ from typing import Callable, Optional
 
 import torch
 
-
 from .device import DeviceMemory
 
 logger = logging.getLogger("hsoffload")

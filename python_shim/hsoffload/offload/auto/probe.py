@@ -11,7 +11,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..._logging import log_once
-
 from .device import _forked_rng, copy_time_s
 from .layers import _first_tensor, _no_output_capture, _sharded, _signature
 from .phases import _PhaseMeter
@@ -126,7 +125,7 @@ class ProbeMixin:
                 probe_x = x.detach().requires_grad_(True)
                 probe_args = (probe_x,) + tuple(args[1:]) if args else ()
                 probe_kwargs = kwargs if args else {**kwargs, "hidden_states": probe_x}
-                meter: Optional[_PhaseMeter] = self._step["meter"] if self._step is not None else None
+                meter: Optional[_PhaseMeter] = self._step.meter if self._step is not None else None
                 if meter is not None:  # the phase in progress: its peak so far kept, the counter the probe's now
                     meter.other = max(meter.other, meter.read())
                 s0 = int(self.memory.allocated() or 0)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from typing import Any, Optional
-
 
 from ...choose import Decision, LayerCost, Phases
 from ..calibration import Shape
@@ -89,3 +89,41 @@ class Bucket:
         """Measured enough to decide: its calibration steps run, its layers probed (on several ranks the first
         bucket's first step only watches the layers for collectives: one more step)."""
         return self.lean_increase is not None and self.calibrated >= calibration_steps and bool(self.probes)
+
+
+class Wish(enum.IntEnum):
+    """What a rank wishes at a micro-batch's start (agreed across ranks: the largest)."""
+
+    NOTHING = 0  # the decisions stand
+    DUE = 1  # a decision is due, at the next optimizer step's first micro-batch
+    NOW = 2  # at once: a decision no longer fits what this step starts with, or more forwards than decided for
+
+
+@dataclasses.dataclass
+class Step:
+    """The micro-batch in progress, from its first layer's call to the next one's."""
+
+    shape: Shape
+    bucket: Bucket  # the bucket it runs in
+    decided: bool  # runs its bucket's decision (False: calibration, every layer offloaded)
+    decision: Optional[Decision]
+    meter: Optional[Any]  # calibration: its peak by phase (phases._PhaseMeter)
+    probe: bool  # probes the kinds of layer not probed yet
+    planned_forwards: int  # forwards before one backward its decision was made for
+    start: int  # device bytes allocated at its first layer
+    measured: bool  # the device's peak counter was reset at its start
+    predicted: Optional[int]  # its decision's predicted peak, the margin included
+    index: int  # its decision's index (0: none)
+    budget: Optional[int]  # the budget it runs under
+    forwards: int = 1
+    hooks: int = 0  # forwards whose first layer's input gradient is awaited
+    unplanned: bool = False  # a forward beyond those decided for ran (every layer offloaded)
+    output_hooked: bool = False  # the phases' meter hooked the last layer's output
+    counter0: int = 0  # the peak counter at its start (steps not measured: verified by its rise)
+    reserved0: int = 0
+    t0: Any = None  # time stamps: a float (host clock) or a device event
+    t1: Any = None
+    peak: Optional[int] = None  # forward and backward's peak
+    reserved: Optional[int] = None
+    whole: Optional[int] = None  # with the optimizer's step
+

@@ -10,7 +10,6 @@ import torch
 
 from ..._logging import log_once
 from ...choose import Choice
-
 from .controller import AutoController
 from .optimizer import _controllers
 
@@ -41,8 +40,8 @@ def controller_for(model: torch.nn.Module, layer_cls: type, config: Any) -> Auto
 
 
 def pin(model: torch.nn.Module, pins: dict[str, str]) -> None:
-    """Fix some layers' choices (layer name -> "none", "keep", "sac" or "offload"); policy "auto" decides the others. Takes
-    effect at the model's next decision (call before its first step, or with its scope's next budget)."""
+    """Fix some layers' choices (layer name -> "none", "keep", "sac" or "offload"); policy "auto" decides the others.
+    Takes effect at the model's next decision (call before its first step, or with its scope's next budget)."""
     ctl = _controllers.get(model)
     if ctl is None:
         raise RuntimeError("hsoffload: pin() needs a model with policy auto: enter "

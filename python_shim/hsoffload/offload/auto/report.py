@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-
 from ...choose import Choice
 
 logger = logging.getLogger("hsoffload")

@@ -1,4 +1,5 @@
-"""Measurements kept across restarts (`auto_state_path`): a cache per shape bucket, checked by one lean step before use."""
+"""Measurements kept across restarts (`auto_state_path`): a cache per shape bucket, checked by one lean step before
+use."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch
 from ..._logging import log_once
 from ...choose import Phases
 from ..calibration import Shape
-
 from .layers import _attention_implementation, _signature
 from .records import Bucket, _Probe
 
