@@ -4,8 +4,9 @@ A model whose best answer mixes choices across layers: a Qwen3-MoE whose every o
 MoE (transformers' eager expert loop), AdamW. The fixed configurations: checkpointing alone, offload of every layer
 (hidden_states), selective checkpointing of every layer with its projections' outputs offloaded (`sac_all`: the
 `context_fn` of auto's sac choice), every `keep_last_layers` from 1 to L-1, no checkpointing. At 4 budgets between
-the leanest configuration's peak and the peak without checkpointing, `policy="auto", device_budget=B` against the
-fastest fixed configuration whose peak fits B.
+the leanest configuration's peak and the peak without checkpointing, and 2 above it (1.02x and 1.6x: where no
+checkpointing fits, auto must not checkpoint), `policy="auto", device_budget=B` against the fastest fixed
+configuration whose peak fits B; auto's peak as a share of B (what of the budget it used).
 
 The runners (a model, its optimizer and batch each) stay on the device side by side: one for the fixed
 configurations and one per budget for auto; a step's peak is the device's less the other runners' bytes (each
@@ -59,6 +60,7 @@ logger = logging.getLogger("hsoffload")
 
 GOAL = 0.03  # auto's step at most 3 % over the fastest fixed configuration that fits (paired median)
 BUDGET_FRACTIONS = (0.15, 0.4, 0.65, 0.9)  # of the way from the leanest peak to no checkpointing's
+ABOVE_NONE = (1.02, 1.6)  # and these times no checkpointing's peak (what a budget above it buys: no checkpointing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,8 +303,9 @@ def compare(field: Field, jobs: list[tuple[Runner, str]], rounds: int, most: int
 
 def side_by_side(setup: Setup, device: torch.device, *, sac: bool = True, pick_rounds: int = 15, warm: int = 5,
                  compare_rounds: int = 30, most_compare_rounds: Optional[int] = None, deadline: Optional[float] = None,
-                 fractions: tuple[float, ...] = BUDGET_FRACTIONS) -> dict[str, Any]:
-    """One regime: the fixed configurations' peaks, auto at 4 budgets, the pick and the paired comparison
+                 fractions: tuple[float, ...] = BUDGET_FRACTIONS,
+                 above: tuple[float, ...] = ABOVE_NONE) -> dict[str, Any]:
+    """One regime: the fixed configurations' peaks, auto at 6 budgets, the pick and the paired comparison
     (`compare`: `compare_rounds`, up to `most_compare_rounds`, 3x by default, where those cannot decide)."""
     names = setup.fixed_names(sac)
     # The peaks first (deterministic): the budgets lie between the leanest configuration's and no checkpointing's.
@@ -311,7 +314,7 @@ def side_by_side(setup: Setup, device: torch.device, *, sac: bool = True, pick_r
     lean, none = (max(r.peaks) for r in probe.runners)
     del probe
     gc.collect()
-    budgets = [int(lean + f * (none - lean)) for f in fractions]
+    budgets = [int(lean + f * (none - lean)) for f in fractions] + [int(none * f) for f in above]
     field = Field(setup, device, [("checkpointing", None)] + [("auto", b) for b in budgets])
     host, autos = field.runners[0], field.runners[1:]
     samples = field.pick(host, names, pick_rounds, deadline=deadline)
@@ -333,6 +336,7 @@ def side_by_side(setup: Setup, device: torch.device, *, sac: bool = True, pick_r
         lo, hi = median_interval(ratios)
         out_rows.append({
             "budget": row["budget"], "choices": a.choices(), "decisions": a.decisions(), "auto_peak": max(a.peaks),
+            "auto_share": max(a.peaks) / row["budget"],
             "auto_step_s": statistics.median([x for x, _ in pairs] or [math.nan]),
             "best": b, "best_peak": picked[b]["peak"] if b else None,
             "best_step_s": statistics.median([y for _, y in pairs]) if pairs else None,
@@ -356,12 +360,13 @@ def report(result: dict[str, Any], title: str) -> str:
     lines = [title,
              "  fixed (pick phase): " + "; ".join(f"{n} {x['peak'] / 2**20:.1f} MiB {x['step_s'] * 1e3:.1f} ms"
                                      for n, x in result["fixed"].items()),
-             f"  {'budget':>10} {'auto choices':>13} {'auto peak':>10} {'auto step':>10} "
+             f"  {'budget':>10} {'auto choices':>13} {'auto peak':>10} {'of budget':>9} {'auto step':>10} "
              f"{'fastest fixed that fits':>24} {'its step':>9} {'auto/it (paired median, 90% interval)':>38}"]
     for r in result["rows"]:
         lo, hi = r["ratio_90"]
         lines.append(
             f"  {r['budget'] / 2**20:7.1f} MiB {r['choices']:>13} {r['auto_peak'] / 2**20:6.1f} MiB "
+            f"{r['auto_peak'] / r['budget']:8.1%} "
             f"{r['auto_step_s'] * 1e3:7.1f} ms {str(r['best']):>24} {(r['best_step_s'] or math.nan) * 1e3:6.1f} ms "
             f"{r['ratio']:>12.3f} [{lo:.3f}, {hi:.3f}] over {r['pairs']} rounds")
     for r in result["rows"]:
