@@ -37,8 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional, Sequence, Union
 
-from .costs import (SAC_WINDOW, Choice, LayerCost, Phases, _largest_restore, as_phases, fill_s, pipeline_s,
-                    predict, window_bytes)
+from .costs import SAC_WINDOW, Choice, LayerCost, Phases, as_phases, fill_s, pipeline_s, predict, window_bytes
 
 __all__ = ["SAC_WINDOW", "Choice", "Decision", "LayerCost", "Phases", "choose", "fill_s", "pipeline_s", "predict",
            "prefetch_depths", "sac_host_bytes", "window_bytes"]
@@ -132,7 +131,7 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean: Union[int, Phase
         chosen = None if caps_still is None else _within(costs, still, caps_still, uncopied, fixed_s, sac_window,
                                                          host_room)
         if chosen is not None:
-            chosen = _canonical(costs, chosen, pins)
+            chosen = _canonical_within(costs, chosen, pins, phases, sac_window)
             found.append((predict(costs, chosen, phases, fixed_s, sac_window)[0 + 1], -1, chosen))
     for depth in sorted({d for d in prefetch_depths if d >= 0}) or [None]:
         window = sac_window if depth is None else depth + 1
@@ -140,7 +139,7 @@ def choose(costs: Sequence[LayerCost], budget_bytes: int, lean: Union[int, Phase
         chosen = None if caps is None else _within(costs, options, _less(caps, ahead), phases, fixed_s, window,
                                                    host_room)
         if chosen is not None:
-            chosen = _canonical(costs, chosen, pins)
+            chosen = _canonical_within(costs, chosen, pins, phases, sac_window, depth)
             step = predict(costs, chosen, phases, fixed_s, sac_window, depth)[1]
             if not found or step < found[0][0] * (1 - DEPTH_GAIN):
                 found.insert(0, (step, -1 if depth is None else depth, chosen))
@@ -277,6 +276,17 @@ def _canonical(costs: Sequence[LayerCost], choices: Sequence[Choice], pins: Mapp
     return out
 
 
+def _canonical_within(costs: Sequence[LayerCost], choices: Sequence[Choice], pins: Mapping[str, Choice],
+                      phases: Phases, sac_window: int, depth: Optional[int] = None) -> list[Choice]:
+    """`_canonical`, unless its layout peaks higher (the layers below a checkpointed one hold the calls' shared
+    tensors: `Phases.shared`), then the knapsack's own."""
+    out = _canonical(costs, choices, pins)
+    if predict(costs, out, phases, 0.0, sac_window, depth)[0] > predict(costs, choices, phases, 0.0, sac_window,
+                                                                          depth)[0]:
+        return list(choices)
+    return out
+
+
 def _limits(values: Sequence[float], most: int) -> list:
     """The values a largest-of term is tried at: every distinct one, or `most` of them spread over their range (the
     largest included) where layers differ more (a close limit costs at most the gap)."""
@@ -295,32 +305,37 @@ def _knapsack(costs: Sequence[LayerCost], options: Sequence[Sequence[Choice]], c
     are all a later cap needs). A front past FRONT_LIMIT states is thinned to the fastest state per
     max(caps) / FRONT_LIMIT bytes: every state kept is exact (never over a cap), the optimum may then be missed by at
     most that much room. None if the leanest options do not fit."""
-    front: list[tuple[int, float, tuple[Choice, ...]]] = [(0, 0.0, ())]
+    # A state: the bytes held so far, whether every layer so far goes without checkpointing (`Phases.shared`)
+    front: list[tuple[tuple[int, bool], float, tuple[Choice, ...]]] = [((0, True), 0.0, ())]
     fwd_caps, bwd_caps, later_caps = caps
+    last = len(costs) - 1
     for k, (cost, opts) in enumerate(zip(costs, options)):
-        nxt: dict[int, tuple[float, tuple[Choice, ...]]] = {}
-        for held, t, chosen in front:
+        nxt: dict[tuple[int, bool], tuple[float, tuple[Choice, ...]]] = {}
+        for (held, bare), t, chosen in front:
             for c in opts:
-                h2 = held + cost.held(c)
+                h2, bare2 = held + cost.held(c), bare and c is Choice.NONE
                 fwd, bwd = phases.excess(k, cost, c)
-                if h2 > later_caps[k] or held + fwd > fwd_caps[k] or held + bwd > bwd_caps[k]:
+                gone = phases.shared if bare2 else 0
+                if (h2 - (gone if k == last else 0) > later_caps[k] or held + fwd > fwd_caps[k]
+                        or held + bwd - gone > bwd_caps[k]):
                     continue
                 t2 = t + cost.extra_s(c) + (price * cost.sac_bytes if c is Choice.SAC else 0.0)
-                cur = nxt.get(h2)
+                cur = nxt.get((h2, bare2))
                 if cur is None or t2 < cur[0] - 1e-15:
-                    nxt[h2] = (t2, chosen + (c,))
+                    nxt[(h2, bare2)] = (t2, chosen + (c,))
         front = []
-        fastest = float("inf")
-        for held, (t, chosen) in sorted(nxt.items()):  # more bytes only if faster than every leaner state
-            if t < fastest - 1e-15:
-                front.append((held, t, chosen))
-                fastest = t
+        for bare in (True, False):  # per flag: more bytes only if faster than every leaner state
+            fastest = float("inf")
+            for key, (t, chosen) in sorted(x for x in nxt.items() if x[0][1] is bare):
+                if t < fastest - 1e-15:
+                    front.append((key, t, chosen))
+                    fastest = t
         if len(front) > FRONT_LIMIT:
             width = max(1, max(later_caps) // FRONT_LIMIT)
-            thinned: dict[int, tuple[int, float, tuple[Choice, ...]]] = {}
-            for state in front:  # ascending bytes, descending time: the last of a bucket is its fastest
-                thinned[state[0] // width] = state
+            thinned: dict[tuple[int, bool], tuple[tuple[int, bool], float, tuple[Choice, ...]]] = {}
+            for state in sorted(front):  # ascending bytes, descending time: the last of a bucket is its fastest
+                thinned[(state[0][0] // width, state[0][1])] = state
             front = sorted(thinned.values())
     if not front:
         return None
-    return list(min(front, key=lambda s: (s[1], s[0]))[2])
+    return list(min(front, key=lambda s: (s[1], s[0][0]))[2])

@@ -49,13 +49,18 @@ class Phases:
     # layer i's backward phase's restored inputs (its own and those prefetched at its unpack): gone from a step that
     # copies nothing (`without_copies`)
     restores: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()  # the restores `without_copies` took out of each backward phase
+    # The layers' calls' other tensors (the attention mask, the position embeddings: made once per forward): a
+    # checkpointed layer holds them until its backward, so they are gone from a backward phase (and the head's)
+    # where no layer up to it is checkpointed
+    shared: int = 0
 
     def without_copies(self) -> "Phases":
         """The phases of a step in which no layer offloads (none and keep only): no restores in backward."""
         if not self.restores:
             return self
         return dataclasses.replace(self, backward=tuple(b - r for b, r in zip(self.backward, self.restores)),
-                                   restores=())
+                                   restores=(), removed=self.restores)
 
     @classmethod
     def flat(cls, lean_peak: int, layers: int) -> "Phases":
@@ -69,9 +74,23 @@ class Phases:
 
     def shifted(self, delta: int) -> "Phases":
         """Every phase `delta` bytes higher (what steps start with changed, a margin)."""
-        return dataclasses.replace(self, forward=self.forward + delta, after=self.after + delta, restores=self.restores,
+        return dataclasses.replace(self, forward=self.forward + delta, after=self.after + delta,
                                    backward=tuple(b + delta for b in self.backward),
                                    layers=tuple(f + delta for f in self.layers))
+
+    def safer(self, other: "Phases") -> "Phases":
+        """The bound of two measurements of the same phases: each peak's larger, each figure subtracted (a phase's
+        work, restores, shared tensors) its smaller."""
+        def hi(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(map(max, x, y)) if x and y else x or y
+
+        def lo(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(map(min, x, y)) if x and y else ()
+
+        return Phases(max(self.forward, other.forward), hi(self.backward, other.backward),
+                      max(self.after, other.after), hi(self.layers, other.layers),
+                      lo(self.layer_work, other.layer_work), lo(self.backward_work, other.backward_work),
+                      lo(self.restores, other.restores), (), min(self.shared, other.shared))
 
     def excess(self, k: int, cost: "LayerCost", choice: "Choice") -> tuple[int, int]:
         """What layer k's own forward and backward phases need beyond the leanest step's for `choice`: a layer
@@ -79,20 +98,25 @@ class Phases:
         recompute's (the measured peaks above the phase's start, less the leanest step's there)."""
         if choice is not Choice.NONE:
             return 0, 0
-        fwd = max(0, cost.none_forward - self.layer_work[k]) if self.layer_work else 0
-        bwd = max(0, cost.none_backward - self.backward_work[k]) if self.backward_work else 0
+        # The phase's start (the leanest step's, less its work there) plus the layer's own peak without
+        # checkpointing: less than the leanest step's where its recompute needed more (negative)
+        fwd = cost.none_forward - self.layer_work[k] if self.layer_work and cost.none_forward else 0
+        bwd = 0
+        if self.backward_work and cost.none_backward:  # the restores taken out were in its work: counted back
+            bwd = cost.none_backward - self.backward_work[k] + (self.removed[k] if self.removed else 0)
         return fwd, bwd
 
     def peak(self, costs: Sequence["LayerCost"], choices: Sequence["Choice"]) -> int:
         """The device peak of a step whose layers make `choices` (forward order)."""
-        below, top = 0, self.after
+        below, top, uncheckpointed = 0, self.after, True
         for k, (cost, c) in enumerate(zip(costs, choices)):
             fwd, bwd = self.excess(k, cost, c)
+            uncheckpointed = uncheckpointed and c is Choice.NONE
             if self.layers:
                 top = max(top, self.layers[k] + below + fwd)
-            top = max(top, self.backward[k] + below + bwd)
+            top = max(top, self.backward[k] + below + bwd - (self.shared if uncheckpointed else 0))
             below += cost.held(c)
-        return max(top, self.forward + below)
+        return max(top, self.forward + below - (self.shared if uncheckpointed else 0))
 
     def caps(self, budget: int) -> Optional[tuple[list[int], list[int], list[int]]]:
         """For each layer k: the most the layers before it may hold in its forward phase and in its backward phase
@@ -103,11 +127,9 @@ class Phases:
         n = len(self.backward)
         fwd = [budget - (self.layers[k] if self.layers else 0) for k in range(n)]
         bwd = [budget - b for b in self.backward]
-        after = [0] * n
-        cap = budget - self.forward
-        for k in range(n - 1, -1, -1):  # the held bytes only add up: a later phase bounds the earlier sums
-            after[k] = cap
-            cap = min(cap, fwd[k], bwd[k])
+        # The held bytes only add up: the head's phase bounds every sum of them (a layer's own phases are checked
+        # with its choice, whose excess may be negative: not folded into the earlier sums' caps)
+        after = [budget - self.forward] * n
         return fwd, bwd, after
 
 

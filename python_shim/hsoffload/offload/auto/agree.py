@@ -67,7 +67,7 @@ class AgreeMixin:
         lean = [float(v) for v in (full.forward, *full.backward, full.after, *full.layers)]
         # the work figures are agreed by their smallest (the excess of a layer without checkpointing: the largest)
         lean += [-float(v) for v in (*full.layer_work, *full.backward_work)]
-        lean += [-float(v) for v in (phases.restores or (0,) * n)]  # subtracted: the smallest
+        lean += [-float(v) for v in (phases.restores or (0,) * n)] + [-float(phases.shared)]  # subtracted: the least
         agreed, same = self.ranks.max_and_same(
             flat + offered + lean + [fixed_s, -slack, -(unlimited if host_room is None else host_room),
                                      self.sac_window], [shape, pins])
@@ -91,7 +91,7 @@ class AgreeMixin:
         agreed_phases = Phases(lean[0], tuple(lean[1:n + 1]), lean[n + 1], tuple(lean[n + 2:2 * n + 2]),
                                tuple(-v for v in lean[2 * n + 2:3 * n + 2]),
                                tuple(-v for v in lean[3 * n + 2:4 * n + 2]),
-                               tuple(-v for v in lean[4 * n + 2:]))
+                               tuple(-v for v in lean[4 * n + 2:5 * n + 2]), (), -lean[5 * n + 2])
         return (out, fixed_s, int(-neg_slack), agreed_phases, None if -neg_host >= unlimited else int(-neg_host))
 
     def _agree_micro_batch(self, local: Shape, wish: Wish, boundary: bool, reason: Optional[str]

@@ -23,7 +23,7 @@ from .decide import DecideMixin
 from .device import BUDGET_FRACTION, DeviceMemory, default_budget
 from .layers import _first_tensor, _shape, _signature
 from .measure import MeasureMixin
-from .phases import _PhaseMeter
+from .phases import _PhaseMeter, shared_bytes
 from .probe import ProbeMixin, _Collectives
 from .records import Bucket, Step, StepRecord
 from .report import DECISION_LOG, HISTORY, ReportMixin
@@ -193,6 +193,8 @@ class AutoController(StepsMixin, ProbeMixin, AgreeMixin, StateMixin, ApplyMixin,
                 if i > 0 and x.requires_grad:
                     x.register_hook(meter.backward_ended(i))
                 meter.layer_started(i)
+                if i == 0:
+                    meter.shared = shared_bytes(x, args, kwargs)
             self.bucket.held_keep[i] = x.numel() * x.element_size()
             self.bucket.forward_shape = self._step.shape
             self.memory.synchronize_compute()

@@ -3,7 +3,6 @@ prediction (the margin, the allocator's gap, sac's learned cost)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -160,13 +159,13 @@ class MeasureMixin:
                      # each backward phase's restored inputs: the `depth` below it (prefetched at its unpack) and its
                      # own (prefetched at the layer above's; the last layer's is its own phase's work, in the excess)
                      tuple(math.floor(sum(b.held_keep.get(j, 0) for j in range(max(0, i - depth), i))
-                                      * linear) for i in range(n)))
+                                      * linear) for i in range(n)),
+                     shared=math.floor(meter.shared * linear))  # not scaled up: the smaller, the safer
         probed = bool(step.probe)
         if b.phases is None or (b.phases_probed and not probed):
             b.phases, b.phases_probed = now, probed
         elif probed == b.phases_probed:
-            b.phases = Phases(*(max(x, y) if isinstance(x, int) else tuple(map(max, x, y))
-                                for x, y in zip(dataclasses.astuple(b.phases), dataclasses.astuple(now))))
+            b.phases = b.phases.safer(now)
 
     def _verify_sac(self, decision: Decision, index: int, measured_s: float) -> Optional[str]:
         """A decision with sac: the median of its first VERIFY_STEPS steps against the prediction. sac's cost is the

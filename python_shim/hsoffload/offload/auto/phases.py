@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -31,6 +31,7 @@ class _PhaseMeter:
         self.backward_start: dict[int, int] = {}
         self.other = 0  # peaks of what ran between the phases (the embedding), or in them unread (a probe)
         self.reserved: Optional[int] = None  # the largest reserved peak of the phases read
+        self.shared = 0  # the first layer's call's other tensors (mask, position embeddings): Phases.shared
 
     def read(self, reset: bool = True) -> int:
         peak = int(self.memory.peak() or 0)
@@ -75,3 +76,26 @@ class _PhaseMeter:
     def largest(self) -> int:
         """The largest phase read (the step's peak, where its counter was reset at each phase)."""
         return max([self.head or 0, self.other, *self.forward.values(), *self.backward.values()])
+
+
+def shared_bytes(x: torch.Tensor, args: tuple, kwargs: dict) -> int:
+    """The bytes of a layer call's other tensors on `x`'s device (each storage once): the attention mask, the
+    position embeddings, made once per forward and held by every checkpointed layer until its backward."""
+    seen: dict[int, int] = {}
+    for t in _tensors((args[1:] if args else (), kwargs)):
+        if t is not x and t.device == x.device and t.layout == torch.strided and t.numel() > 0:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in nested tuples, lists and dicts (a layer call's arguments)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..._logging import log_once
 from .device import _forked_rng, copy_time_s
 from .layers import _first_tensor, _no_output_capture, _sharded, _signature
-from .phases import _PhaseMeter
+from .phases import _PhaseMeter, _tensors
 from .records import NEVER, _Probe
 from .selective import _Projections, _selective_ready
 
@@ -105,7 +105,11 @@ class ProbeMixin:
 
     def _probe(self, layer: torch.nn.Module, x: torch.Tensor, args: tuple, kwargs: dict,
                run: Callable[..., Any]) -> _Probe:
+        # Storages alive anyway: the parameters, and the call's other tensors (the attention mask, the position
+        # embeddings: made once per forward, shared by every layer, held by each layer's checkpoint as well)
         params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        params |= {t.untyped_storage().data_ptr() for t in _tensors((args[1:], kwargs))
+                   if t is not x and t.layout == torch.strided}
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
