@@ -95,11 +95,11 @@ test-torch215: $(VENV215)/.deps-stamp
 	$(VENV215)/bin/python -m pip install -q --no-build-isolation --no-deps -C build-dir=build/torch215 .
 	PATH="$(abspath $(VENV215))/bin:$$PATH" $(VENV215)/bin/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup \
 		tests/engine/test_core.py tests/engine/test_tensor_kinds.py \
-		tests/engine/test_torchscript_compile.py tests/engine/test_loader.py tests/engine/test_policies.py \
-		tests/engine/test_policies_compile.py tests/engine/test_capture.py tests/engine/test_reserve.py \
-		tests/engine/test_spill.py tests/integrations/test_transformers_models.py tests/integrations/test_patch.py \
-		tests/integrations/test_layer_hooks.py tests/integrations/test_fsdp.py tests/integrations/test_axolotl.py \
-		tests/integrations/test_dtensor.py tests/device/test_emu_device.py
+		tests/engine/test_torchscript_compile.py tests/engine/test_loader.py tests/offload/test_policies.py \
+		tests/offload/test_policies_compile.py tests/engine/test_capture.py tests/engine/test_reserve.py \
+		tests/engine/test_spill.py tests/offload/test_transformers_models.py tests/offload/test_patch.py \
+		tests/offload/test_layer_hooks.py tests/loading/test_fsdp.py tests/integrations/test_axolotl.py \
+		tests/offload/test_dtensor.py tests/device/test_emu_device.py
 
 # The twin of the GPU machine: its Python 3.12, torch 2.11.0 (the PyPI CUDA 13.0 wheel, run on the CPU without a
 # driver), transformers 5.17.0, accelerate and peft, no trl and no axolotl (requirements/twin.txt), in a venv of its
@@ -126,7 +126,7 @@ test-twin: $(VENVTWIN)/.deps-stamp
 
 # The Axolotl leg of CI: the newest Axolotl that resolves (>= 0.21: Python 3.12, torch 2.14.1; requirements/axolotl.txt)
 # in a venv of its own, hsoffload built into it; Axolotl's own tests of its hidden-state offload module against
-# hsoffload.axolotl, the differential suite, and `axolotl train` on every CPU config (tests/axolotl_ci), under
+# hsoffload.axolotl, the differential suite, and `axolotl train` on every CPU config (tests/integrations/axolotl_ci), under
 # Axolotl's transformers pin (5.20.1 with 0.21.0). .ci/run calls it last.
 VENVAX ?= .venv-axolotl
 $(VENVAX)/.deps-stamp: requirements/axolotl.txt
@@ -139,7 +139,7 @@ test-axolotl: $(VENVAX)/.deps-stamp
 	PATH="$(abspath $(VENVAX))/bin:$$PATH" $(VENVAX)/bin/python -m pip install -q --no-build-isolation --no-deps \
 		-C build-dir=build/axolotl .
 	PATH="$(abspath $(VENVAX))/bin:$$PATH" $(VENVAX)/bin/python -m pytest -q -rs -p no:cacheprovider \
-		-n $(TEST_WORKERS) --dist loadgroup tests/axolotl_ci
+		-n $(TEST_WORKERS) --dist loadgroup tests/integrations/axolotl_ci
 
 demo: install
 	$(VENV)/bin/hsoffload demo

@@ -34,50 +34,50 @@ SLOW = (
     "tests/device/test_emu_device.py::test_emulated_device_suite",  # the whole emulated-device suite, in a child
     "tests/engine/test_cpp_engine.py::",  # builds and runs the C++ engine tests
     "tests/engine/test_core.py::test_thousand_steps_flat",  # a leak check over many steps
-    "tests/engine/test_policies_compile.py::test_regional_inductor_every_policy",  # inductor compiles
-    "tests/engine/test_policies_compile.py::test_regional_sac_offloads",
-    "tests/engine/test_policies_compile.py::test_layer_compile_in_place",
-    "tests/engine/test_policies_compile.py::test_whole_model_compile",
-    "tests/engine/test_policies_compile.py::test_regional_compile_with_reentrant",
+    "tests/offload/test_policies_compile.py::test_regional_inductor_every_policy",  # inductor compiles
+    "tests/offload/test_policies_compile.py::test_regional_sac_offloads",
+    "tests/offload/test_policies_compile.py::test_layer_compile_in_place",
+    "tests/offload/test_policies_compile.py::test_whole_model_compile",
+    "tests/offload/test_policies_compile.py::test_regional_compile_with_reentrant",
     "tests/engine/test_spill.py::test_disk_full_mid_step",  # child processes
     "tests/engine/test_spill.py::test_kill_9",
     "tests/engine/test_tensor_kinds.py::test_warnings_",  # child processes
     "tests/engine/test_torchscript_compile.py::test_torchscript_models_offload_on_every_step",  # 2 child processes
-    "tests/integrations/test_auto_ranks.py::",  # 2-rank torchrun
-    "tests/integrations/test_auto_budget.py::test_equal_tokens",  # policy auto's adversarial runs (issue 51): each
-    "tests/integrations/test_auto_budget.py::test_alternating",  # measures fixed configurations, then several runs
-    "tests/integrations/test_auto_budget.py::test_random_lengths",
-    "tests/integrations/test_auto_budget.py::test_a_second_forward",
-    "tests/integrations/test_auto_budget.py::test_a_state_file",
-    "tests/integrations/test_auto_budget.py::test_a_layer_that_saves",
+    "tests/offload/auto/test_auto_ranks.py::",  # 2-rank torchrun
+    "tests/offload/auto/test_auto_budget.py::test_equal_tokens",  # policy auto's adversarial runs (issue 51): each
+    "tests/offload/auto/test_auto_budget.py::test_alternating",  # measures fixed configurations, then several runs
+    "tests/offload/auto/test_auto_budget.py::test_random_lengths",
+    "tests/offload/auto/test_auto_budget.py::test_a_second_forward",
+    "tests/offload/auto/test_auto_budget.py::test_a_state_file",
+    "tests/offload/auto/test_auto_budget.py::test_a_layer_that_saves",
     "tests/integrations/test_composition.py::",  # 2-rank torchrun
     "tests/integrations/test_deepspeed.py::",  # 2-rank torchrun
-    "tests/integrations/test_dtensor.py::test_two_ranks",
-    "tests/integrations/test_fsdp.py::test_two_ranks",
-    "tests/integrations/test_fsdp.py::test_fsdp2_two_ranks",
-    "tests/integrations/test_fsdp.py::test_rank_failing_during_load",
-    "tests/integrations/test_transformers_matrix.py::",  # a child pytest under another transformers
-    "tests/integrations/test_transformers_peer_suite.py::test_transformers_own",  # a child process each
-    "tests/integrations/test_transformers_peer_suite.py::test_a_mocked_checkpoint",
-    "tests/integrations/test_zero3_loading.py::test_parameters_and_loss_equal_stock",  # these share one 2-rank launch
-    "tests/integrations/test_zero3_loading.py::test_rank1_receives",
-    "tests/integrations/test_zero3_loading.py::test_rank0_is_the_source",
-    "tests/integrations/test_zero3_loading.py::test_verify_compared",
-    "tests/integrations/test_zero3_loading.py::test_mismatched_checkpoint",
-    "tests/integrations/test_zero3_loading.py::test_a_failure",
-    "tests/integrations/test_zero3_loading.py::test_ignore_mismatched",
-    "tests/integrations/test_zero3_loading.py::test_verify_names",
+    "tests/offload/test_dtensor.py::test_two_ranks",
+    "tests/loading/test_fsdp.py::test_two_ranks",
+    "tests/loading/test_fsdp.py::test_fsdp2_two_ranks",
+    "tests/loading/test_fsdp.py::test_rank_failing_during_load",
+    "tests/offload/test_transformers_matrix.py::",  # a child pytest under another transformers
+    "tests/offload/test_transformers_peer_suite.py::test_transformers_own",  # a child process each
+    "tests/offload/test_transformers_peer_suite.py::test_a_mocked_checkpoint",
+    "tests/loading/test_zero3_loading.py::test_parameters_and_loss_equal_stock",  # these share one 2-rank launch
+    "tests/loading/test_zero3_loading.py::test_rank1_receives",
+    "tests/loading/test_zero3_loading.py::test_rank0_is_the_source",
+    "tests/loading/test_zero3_loading.py::test_verify_compared",
+    "tests/loading/test_zero3_loading.py::test_mismatched_checkpoint",
+    "tests/loading/test_zero3_loading.py::test_a_failure",
+    "tests/loading/test_zero3_loading.py::test_ignore_mismatched",
+    "tests/loading/test_zero3_loading.py::test_verify_names",
     "tests/engine/test_loader.py::test_mismatched_build_is_refused",  # child processes
     "tests/engine/test_loader.py::test_missing_library_names_places",
-    "tests/tooling/test_cli.py::test_bench_gpu_suite_refuses",  # child processes
-    "tests/tooling/test_cli.py::test_demo_does_not_import",
-    "tests/tooling/test_cli.py::test_demo_on_cpu",
-    "tests/tooling/test_cli.py::test_bench_cpu_quick_json",
-    "tests/tooling/test_cli.py::test_bench_disk_quick",
-    "tests/tooling/test_cli.py::test_plan_and_bench_arguments_are_checked",
-    "tests/tooling/test_suite_scheduling.py::",  # a child pytest with two workers
-    "tests/tooling/test_doc_commands.py::",  # every documented command, as a shell would run it
-    "tests/tooling/test_plan.py::test_real_width_moe_peak",  # FakeTensorMode traces at real width
+    "tests/tools/test_cli.py::test_bench_gpu_suite_refuses",  # child processes
+    "tests/tools/test_cli.py::test_demo_does_not_import",
+    "tests/tools/test_cli.py::test_demo_on_cpu",
+    "tests/tools/test_cli.py::test_bench_cpu_quick_json",
+    "tests/tools/test_cli.py::test_bench_disk_quick",
+    "tests/tools/test_cli.py::test_plan_and_bench_arguments_are_checked",
+    "tests/tools/test_suite_scheduling.py::",  # a child pytest with two workers
+    "tests/tools/test_doc_commands.py::",  # every documented command, as a shell would run it
+    "tests/planning/test_plan.py::test_real_width_moe_peak",  # FakeTensorMode traces at real width
 )
 
 
@@ -87,8 +87,8 @@ SLOW = (
 ONE_WORKER = (
     "tests/integrations/test_composition.py",
     "tests/integrations/test_deepspeed.py",
-    "tests/integrations/test_zero3_loading.py",
-    "tests/axolotl_ci/test_upstream.py",  # the Axolotl leg: one download of Axolotl's sources for both tests
+    "tests/loading/test_zero3_loading.py",
+    "tests/integrations/axolotl_ci/test_upstream.py",  # the Axolotl leg: one download of Axolotl's sources for both tests
 )
 
 

@@ -1,4 +1,4 @@
-"""Builds and runs the C++ engine tests (tests/cpp) with CMake + ctest against the installed torch."""
+"""Builds and runs the C++ engine tests (tests/engine/cpp) with CMake + ctest against the installed torch."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 
 from support import launch
 
-WORKER = Path(__file__).resolve().parents[1] / "support" / "auto_worker.py"
+WORKER = Path(__file__).resolve().parents[2] / "support" / "auto_worker.py"
 TIMEOUT_S = 240  # the workers' collective timeout is 1800 s
 
 
