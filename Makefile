@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 COMPILE_CHECK_TORCH ?= 2.12.0
 
-.PHONY: all venv build install test test-fast test-cpp compile-check test-torch215 test-twin test-axolotl print-python312 test-install mutation-check demo bench gpu-check clean
+.PHONY: all venv build install test test-fast test-durations test-cpp compile-check test-torch215 test-twin test-axolotl print-python312 test-install mutation-check demo bench gpu-check clean
 
 all: test
 
@@ -42,12 +42,17 @@ build: install
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-# The edit-run loop (about 1 minute on 2 cores once built): every test but those marked slow (tests/conftest.py,
-# SLOW: process launches, documented commands, real-width traces), then the emulated device's stream rules. `make
-# test` runs everything.
+# The edit-run loop (about 1 minute on 2 cores once built): every test but those marked slow (`@pytest.mark.slow` on
+# the test or its module: process launches, documented commands, real-width traces; tests/tools/test_slow_marks.py
+# checks the marks against tests/durations.json), then the emulated device's stream rules. `make test` runs everything.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	HSOFFLOAD_EMU_CHILD=1 $(PY) -m pytest -q -p no:cacheprovider tests/device/emu/test_stream_rules.py
+
+# Refresh tests/durations.json (what tests/tools/test_slow_marks.py judges the slow marks by): the whole suite as
+# `make test` runs it, each test's seconds recorded; on an otherwise idle machine (tests/support/durations.py).
+test-durations: install
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --record-durations $(PYTEST_ARGS)
 
 # The library must build against every torch from 2.11 to 2.15 (CPU and CUDA wheels): compile against the headers
 # of the releases no leg builds (2.12; the legs build 2.11, 2.13, 2.14.1 and 2.15.0). Any list: COMPILE_CHECK_TORCH="2.11.0 2.12.0".

@@ -57,6 +57,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # a timing comparison over many steps (tests/durations.json)
 def test_first_step_after_reserve_host_allocates_nothing_and_is_no_slower(fresh_pool, one_thread) -> None:
     torch.manual_seed(0)
     model = Stack()

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# Every test here launches processes (tests/durations.json: the measured seconds).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "tests" / "extra_transformers.txt"
 # Suites that need only transformers + peft (Trainer pulls datasets, which pins newer hubs).

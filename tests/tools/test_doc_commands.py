@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+# Every test here launches processes (tests/durations.json: the measured seconds).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 _MARKER = "<!-- runnable -->"
 _BLOCK = re.compile(re.escape(_MARKER) + r"\s*\n```(?:bash|sh|shell)\n(.*?)```", re.S)
