@@ -52,7 +52,7 @@ ONE_WORKER = (
     "tests/integrations/test_composition.py",
     "tests/integrations/test_deepspeed.py",
     "tests/loading/test_zero3_loading.py",
-    "tests/integrations/axolotl_ci/test_upstream.py",  # the Axolotl leg: one download of Axolotl's sources for both tests
+    "tests/integrations/axolotl_ci/test_upstream.py",  # the Axolotl leg: one download of Axolotl's sources for both
 )
 
 

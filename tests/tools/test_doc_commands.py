@@ -54,10 +54,15 @@ def _shown_outputs() -> list[tuple[str, str, str]]:
 
 
 SHOWN = _shown_outputs()
+
+
+def _first_statement(block: str) -> str:
+    lines = block.splitlines()
+    return next((line for line in lines if line and not line.startswith(("#", "import", "from"))), lines[0])
+
+
 # Each marked Python block: (doc, its first line that is not a comment or an import, the block).
-PYTHON = [(_name(doc), next((line for line in block.splitlines() if line and not line.startswith(("#", "import", "from"))),
-                            block.splitlines()[0]), block)
-          for doc in DOCS for block in _PYTHON.findall(doc.read_text())]
+PYTHON = [(_name(doc), _first_statement(block), block) for doc in DOCS for block in _PYTHON.findall(doc.read_text())]
 
 
 def _run(command: str) -> subprocess.CompletedProcess[str]:

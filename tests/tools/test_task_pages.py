@@ -26,7 +26,7 @@ def test_every_task_has_its_page() -> None:
 def test_a_task_page_is_short_runs_and_says_what_to_read_next(page: Path) -> None:
     text = page.read_text()
     lines = text.splitlines()
-    assert len(lines) <= MAX_LINES, f"{page.name}: {len(lines)} lines, over {MAX_LINES}: move detail to a reference page"
+    assert len(lines) <= MAX_LINES, f"{page.name}: {len(lines)} lines, over {MAX_LINES}: move detail to a reference"
     assert "<!-- runnable -->" in text, f"{page.name}: no runnable block (<!-- runnable --> before a bash/python block)"
     last = text.rsplit("\n## ", 1)[-1]
     assert last.startswith("Read next") and _LINK.search(last), f"{page.name}: does not end with '## Read next' links"
