@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 COMPILE_CHECK_TORCH ?= 2.12.0
 
-.PHONY: all venv build install test test-fast test-cpp compile-check test-torch215 test-twin test-axolotl print-python312 test-install mutation-check demo bench gpu-check clean
+.PHONY: all venv build install test test-fast test-durations test-cpp compile-check test-torch215 test-twin test-axolotl print-python312 test-install mutation-check demo bench gpu-check clean
 
 all: test
 
@@ -42,12 +42,17 @@ build: install
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-# The edit-run loop (about 1 minute on 2 cores once built): every test but those marked slow (tests/conftest.py,
-# SLOW: process launches, documented commands, real-width traces), then the emulated device's stream rules. `make
-# test` runs everything.
+# The edit-run loop (about 1 minute on 2 cores once built): every test but those marked slow (`@pytest.mark.slow` on
+# the test or its module: process launches, documented commands, real-width traces; tests/tools/test_slow_marks.py
+# checks the marks against tests/durations.json), then the emulated device's stream rules. `make test` runs everything.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	HSOFFLOAD_EMU_CHILD=1 $(PY) -m pytest -q -p no:cacheprovider tests/device/emu/test_stream_rules.py
+
+# Refresh tests/durations.json (what tests/tools/test_slow_marks.py judges the slow marks by): the whole suite as
+# `make test` runs it, each test's seconds recorded; on an otherwise idle machine (tests/support/durations.py).
+test-durations: install
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --record-durations $(PYTEST_ARGS)
 
 # The library must build against every torch from 2.11 to 2.15 (CPU and CUDA wheels): compile against the headers
 # of the releases no leg builds (2.12; the legs build 2.11, 2.13, 2.14.1 and 2.15.0). Any list: COMPILE_CHECK_TORCH="2.11.0 2.12.0".
@@ -95,11 +100,11 @@ test-torch215: $(VENV215)/.deps-stamp
 	$(VENV215)/bin/python -m pip install -q --no-build-isolation --no-deps -C build-dir=build/torch215 .
 	PATH="$(abspath $(VENV215))/bin:$$PATH" $(VENV215)/bin/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup \
 		tests/engine/test_core.py tests/engine/test_tensor_kinds.py \
-		tests/engine/test_torchscript_compile.py tests/engine/test_loader.py tests/engine/test_policies.py \
-		tests/engine/test_policies_compile.py tests/engine/test_capture.py tests/engine/test_reserve.py \
-		tests/engine/test_spill.py tests/integrations/test_transformers_models.py tests/integrations/test_patch.py \
-		tests/integrations/test_layer_hooks.py tests/integrations/test_fsdp.py tests/integrations/test_axolotl.py \
-		tests/integrations/test_dtensor.py tests/device/test_emu_device.py
+		tests/engine/test_torchscript_compile.py tests/engine/test_loader.py tests/offload/test_policies.py \
+		tests/offload/test_policies_compile.py tests/engine/test_capture.py tests/engine/test_reserve.py \
+		tests/engine/test_spill.py tests/offload/test_transformers_models.py tests/offload/test_patch.py \
+		tests/offload/test_layer_hooks.py tests/loading/test_fsdp.py tests/integrations/test_axolotl.py \
+		tests/offload/test_dtensor.py tests/device/test_emu_device.py
 
 # The twin of the GPU machine: its Python 3.12, torch 2.11.0 (the PyPI CUDA 13.0 wheel, run on the CPU without a
 # driver), transformers 5.17.0, accelerate and peft, no trl and no axolotl (requirements/twin.txt), in a venv of its
@@ -126,7 +131,7 @@ test-twin: $(VENVTWIN)/.deps-stamp
 
 # The Axolotl leg of CI: the newest Axolotl that resolves (>= 0.21: Python 3.12, torch 2.14.1; requirements/axolotl.txt)
 # in a venv of its own, hsoffload built into it; Axolotl's own tests of its hidden-state offload module against
-# hsoffload.axolotl, the differential suite, and `axolotl train` on every CPU config (tests/axolotl_ci), under
+# hsoffload.axolotl, the differential suite, and `axolotl train` on every CPU config (tests/integrations/axolotl_ci), under
 # Axolotl's transformers pin (5.20.1 with 0.21.0). .ci/run calls it last.
 VENVAX ?= .venv-axolotl
 $(VENVAX)/.deps-stamp: requirements/axolotl.txt
@@ -139,7 +144,7 @@ test-axolotl: $(VENVAX)/.deps-stamp
 	PATH="$(abspath $(VENVAX))/bin:$$PATH" $(VENVAX)/bin/python -m pip install -q --no-build-isolation --no-deps \
 		-C build-dir=build/axolotl .
 	PATH="$(abspath $(VENVAX))/bin:$$PATH" $(VENVAX)/bin/python -m pytest -q -rs -p no:cacheprovider \
-		-n $(TEST_WORKERS) --dist loadgroup tests/axolotl_ci
+		-n $(TEST_WORKERS) --dist loadgroup tests/integrations/axolotl_ci
 
 demo: install
 	$(VENV)/bin/hsoffload demo

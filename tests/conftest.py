@@ -5,6 +5,7 @@ Puts tests/ on sys.path so that every suite, whatever its folder, imports the sh
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -25,60 +26,23 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-# What only the full run (`make test`) needs: the tests that launch processes (2-rank torchrun, child pytests, the
-# documented shell commands, the CLI's benchmarks, the C++ build) or trace real widths. `make test-fast` (pytest -m
-# "not slow") leaves them out and still touches every module: the engine's concepts in process, the patch, each
-# integration's in-process tests, the planner. Node-id prefixes, measured with `pytest --durations` (docs/benchmarks.md,
-# "Test suite").
-SLOW = (
-    "tests/device/test_emu_device.py::test_emulated_device_suite",  # the whole emulated-device suite, in a child
-    "tests/engine/test_cpp_engine.py::",  # builds and runs the C++ engine tests
-    "tests/engine/test_core.py::test_thousand_steps_flat",  # a leak check over many steps
-    "tests/engine/test_policies_compile.py::test_regional_inductor_every_policy",  # inductor compiles
-    "tests/engine/test_policies_compile.py::test_regional_sac_offloads",
-    "tests/engine/test_policies_compile.py::test_layer_compile_in_place",
-    "tests/engine/test_policies_compile.py::test_whole_model_compile",
-    "tests/engine/test_policies_compile.py::test_regional_compile_with_reentrant",
-    "tests/engine/test_spill.py::test_disk_full_mid_step",  # child processes
-    "tests/engine/test_spill.py::test_kill_9",
-    "tests/engine/test_tensor_kinds.py::test_warnings_",  # child processes
-    "tests/engine/test_torchscript_compile.py::test_torchscript_models_offload_on_every_step",  # 2 child processes
-    "tests/integrations/test_auto_ranks.py::",  # 2-rank torchrun
-    "tests/integrations/test_auto_budget.py::test_equal_tokens",  # policy auto's adversarial runs (issue 51): each
-    "tests/integrations/test_auto_budget.py::test_alternating",  # measures fixed configurations, then several runs
-    "tests/integrations/test_auto_budget.py::test_random_lengths",
-    "tests/integrations/test_auto_budget.py::test_a_second_forward",
-    "tests/integrations/test_auto_budget.py::test_a_state_file",
-    "tests/integrations/test_auto_budget.py::test_a_layer_that_saves",
-    "tests/integrations/test_composition.py::",  # 2-rank torchrun
-    "tests/integrations/test_deepspeed.py::",  # 2-rank torchrun
-    "tests/integrations/test_dtensor.py::test_two_ranks",
-    "tests/integrations/test_fsdp.py::test_two_ranks",
-    "tests/integrations/test_fsdp.py::test_fsdp2_two_ranks",
-    "tests/integrations/test_fsdp.py::test_rank_failing_during_load",
-    "tests/integrations/test_transformers_matrix.py::",  # a child pytest under another transformers
-    "tests/integrations/test_transformers_peer_suite.py::test_transformers_own",  # a child process each
-    "tests/integrations/test_transformers_peer_suite.py::test_a_mocked_checkpoint",
-    "tests/integrations/test_zero3_loading.py::test_parameters_and_loss_equal_stock",  # these share one 2-rank launch
-    "tests/integrations/test_zero3_loading.py::test_rank1_receives",
-    "tests/integrations/test_zero3_loading.py::test_rank0_is_the_source",
-    "tests/integrations/test_zero3_loading.py::test_verify_compared",
-    "tests/integrations/test_zero3_loading.py::test_mismatched_checkpoint",
-    "tests/integrations/test_zero3_loading.py::test_a_failure",
-    "tests/integrations/test_zero3_loading.py::test_ignore_mismatched",
-    "tests/integrations/test_zero3_loading.py::test_verify_names",
-    "tests/engine/test_loader.py::test_mismatched_build_is_refused",  # child processes
-    "tests/engine/test_loader.py::test_missing_library_names_places",
-    "tests/tooling/test_cli.py::test_bench_gpu_suite_refuses",  # child processes
-    "tests/tooling/test_cli.py::test_demo_does_not_import",
-    "tests/tooling/test_cli.py::test_demo_on_cpu",
-    "tests/tooling/test_cli.py::test_bench_cpu_quick_json",
-    "tests/tooling/test_cli.py::test_bench_disk_quick",
-    "tests/tooling/test_cli.py::test_plan_and_bench_arguments_are_checked",
-    "tests/tooling/test_suite_scheduling.py::",  # a child pytest with two workers
-    "tests/tooling/test_doc_commands.py::",  # every documented command, as a shell would run it
-    "tests/tooling/test_plan.py::test_real_width_moe_peak",  # FakeTensorMode traces at real width
-)
+# What only the full run (`make test`) needs is marked `slow` on the test itself (`@pytest.mark.slow` or a module's
+# `pytestmark`): the tests that launch processes (2-rank torchrun, child pytests, the documented shell commands, the
+# CLI's benchmarks, the C++ build), trace real widths or compile with inductor. `make test-fast` (pytest -m "not slow")
+# leaves them out and still touches every module. tests/tools/test_slow_marks.py checks the marks against the measured
+# durations in tests/durations.json (tests/support/durations.py: the threshold, the budget, how to refresh the file).
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-durations", action="store_true", default=False,
+                     help="merge each test's seconds into tests/durations.json (tests/support/durations.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--record-durations"):
+        from support.durations import DURATIONS, Recorder
+
+        config.pluginmanager.register(Recorder(DURATIONS, list(config.invocation_params.args)), "hsoffload-durations")
 
 
 # Modules whose tests share one expensive module fixture (a 2-rank launch that runs every case): under pytest-xdist
@@ -87,8 +51,8 @@ SLOW = (
 ONE_WORKER = (
     "tests/integrations/test_composition.py",
     "tests/integrations/test_deepspeed.py",
-    "tests/integrations/test_zero3_loading.py",
-    "tests/axolotl_ci/test_upstream.py",  # the Axolotl leg: one download of Axolotl's sources for both tests
+    "tests/loading/test_zero3_loading.py",
+    "tests/integrations/axolotl_ci/test_upstream.py",  # the Axolotl leg: one download of Axolotl's sources for both
 )
 
 
@@ -99,17 +63,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return make_scheduler(config, log, ONE_WORKER)
 
 
+# First among the hooks, so that the marks of every collected test are recorded before `-m`/`-k` deselect any.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from support.durations import MARKS_KEY, marks_of
+
     missing = [m for m in ONE_WORKER if not (config.rootpath / m).is_file()]
     if missing:  # a renamed module would silently be spread over the workers again, its launch repeated
         raise pytest.UsageError(f"tests/conftest.py ONE_WORKER names modules that do not exist: {missing}")
-    slow = pytest.mark.slow
-    for item in items:
-        if item.nodeid.startswith(SLOW):
-            item.add_marker(slow)
+    config.stash[MARKS_KEY] = marks_of(items)
+    if os.environ.get("HSOFFLOAD_MARKS_JSON"):  # tests/tools/test_slow_marks.py collecting the suite in a child
+        Path(os.environ["HSOFFLOAD_MARKS_JSON"]).write_text(json.dumps(config.stash[MARKS_KEY]))
     # The slow tests first (stable otherwise): the workers start on the long ones and end on short ones together,
     # instead of one worker finishing a 20-second trace alone.
-    items.sort(key=lambda item: not item.nodeid.startswith(SLOW))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none on this machine)")

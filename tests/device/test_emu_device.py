@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+# Every test here launches processes (tests/durations.json: the measured seconds).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

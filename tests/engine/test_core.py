@@ -459,6 +459,7 @@ def test_never_unpacked_branch_does_not_leak(cpu_scope_kwargs):
     assert hsoffload.pool_stats().in_use_bytes == 0
 
 
+@pytest.mark.slow
 def test_thousand_steps_flat(cpu_scope_kwargs):
     model = Stack(dim=16, layers=2)
     x = torch.randn(2, 4, 16)

@@ -1,4 +1,4 @@
-"""Builds and runs the C++ engine tests (tests/cpp) with CMake + ctest against the installed torch."""
+"""Builds and runs the C++ engine tests (tests/engine/cpp) with CMake + ctest against the installed torch."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# Every test here launches processes (tests/durations.json: the measured seconds).
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 

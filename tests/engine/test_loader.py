@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import hsoffload
@@ -32,6 +33,7 @@ def _another_build() -> dict[str, str]:
     return {"torch": torch_version, "cuda": "13.0"}
 
 
+@pytest.mark.slow
 def test_mismatched_build_is_refused_with_versions_and_rebuild_command(tmp_path: Path) -> None:
     lib = tmp_path / "libhsoffload.so"
     shutil.copy(hsoffload.load_library(), lib)
@@ -44,6 +46,7 @@ def test_mismatched_build_is_refused_with_versions_and_rebuild_command(tmp_path:
     assert "pip install --no-build-isolation" in out.stderr
 
 
+@pytest.mark.slow
 def test_missing_library_names_places_and_command(tmp_path: Path) -> None:
     # A copy of the package without its library, outside any checkout.
     pkg = tmp_path / "hsoffload"

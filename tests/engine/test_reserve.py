@@ -3,7 +3,7 @@
 `hsoffload.reserve_host(bytes)` fills the pool before the first step, so the first step's packs allocate nothing and
 run no slower than later ones; `reserve_host_bytes` does it at scope entry; pool_stats() and budget_stats() report
 the same host bytes (unpooled blocks included). That packs never allocate under a lock is tested in C++
-(tests/cpp/test_engine.cpp, test_reserve_allocates_outside_the_locks); on a GPU, tests/device/test_gpu_engine.py.
+(tests/engine/cpp/test_engine.cpp, test_reserve_allocates_outside_the_locks); on a GPU, tests/device/test_gpu_engine.py.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # a timing comparison over many steps (tests/durations.json)
 def test_first_step_after_reserve_host_allocates_nothing_and_is_no_slower(fresh_pool, one_thread) -> None:
     torch.manual_seed(0)
     model = Stack()

@@ -362,6 +362,7 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [pytest.param(0, id="from-device"), pytest.param(128 * 1024, id="from-host")])
 def test_disk_full_mid_step_raises_then_releases_everything(tmp_path: Path, budget: int) -> None:
     unshare = shutil.which("unshare")
@@ -395,6 +396,7 @@ _CHILD_KILLED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kill_9_leaves_no_spill_files(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
     script.write_text(_CHILD_KILLED)

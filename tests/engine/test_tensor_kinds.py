@@ -121,6 +121,7 @@ def test_config_refuses_bools_for_every_integer_option():
             hsoffload.OffloadConfig(**{name: True})
 
 
+@pytest.mark.slow
 def test_warnings_reach_stderr_without_logging_setup_once():
     code = (
         "import torch, hsoffload\n"
@@ -135,6 +136,7 @@ def test_warnings_reach_stderr_without_logging_setup_once():
     assert len(lines) == 1 and lines[0].startswith("WARNING hsoffload:"), out.stderr
 
 
+@pytest.mark.slow
 def test_warnings_go_through_the_applications_handlers_when_configured():
     code = (
         "import logging, sys, torch\n"

@@ -135,6 +135,7 @@ def test_opcheck_mark_hidden_state():
         opcheck(torch.ops.hsoffload.mark_hidden_state.default, (x,))
 
 
+@pytest.mark.slow
 def test_torchscript_models_offload_on_every_step_without_the_python_package(tmp_path) -> None:
     """Scripted and traced models under the raw ops: 6 steps, default executor, every step offloads one tensor per
     block, gradients bit-identical to the same model without offload (each run in a fresh process)."""
@@ -212,6 +213,7 @@ print("marked", scope.stats.marked_tensors, "offloaded", scope.stats.offloaded_t
 '''
 
 
+@pytest.mark.slow  # fresh processes (tests/durations.json)
 def test_scripted_graph_saves_and_loads_in_fresh_processes_after_load_library(tmp_path) -> None:
     """docs/usage.md, TorchScript: `hsoffload.load_library()` before `torch.jit.script` and before `torch.jit.load`.
     A graph scripted in one fresh process loads in another and offloads with the same gradients; without the call,

@@ -342,7 +342,7 @@ def test_plugin_installs_zero3_loading_patch_when_asked_with_a_zero3_deepspeed_c
     """`hsoffload_zero3_loading: true` with a ZeRO-3 `deepspeed` config (a path, as Axolotl's configs give it, a dict
     as Axolotl holds it after loading, or base64 JSON as transformers accepts) installs hsoffload.zero3_loading before
     the model loads. Not asked, or with ZeRO-2, it does not; asked where it cannot apply, it warns once naming the
-    value. What the patch does on 2 ranks: tests/integrations/test_zero3_loading.py."""
+    value. What the patch does on 2 ranks: tests/loading/test_zero3_loading.py."""
     pytest.importorskip("deepspeed")
     import base64
 

@@ -38,6 +38,9 @@ from support import launch
 from support import composition as C
 from support import composition_worker as W  # the case lists (importing it imports neither DeepSpeed nor TRL)
 
+# Every test here launches processes (tests/durations.json: the measured seconds).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "composition_worker.py"
 

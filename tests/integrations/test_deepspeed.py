@@ -31,6 +31,9 @@ WORKER = ROOT / "tests" / "support" / "deepspeed_worker.py"
 from support import launch
 from support import deepspeed_worker as W  # the case list and sizes (importing it does not import DeepSpeed)
 
+# Every test here launches processes (tests/durations.json: the measured seconds).
+pytestmark = pytest.mark.slow
+
 
 def _deepspeed_missing() -> str:
     """Why the DeepSpeed tests cannot run here ("" when they can). Found without importing it: the torch 2.14 and

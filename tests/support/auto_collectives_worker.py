@@ -1,5 +1,5 @@
 """One rank of the 2-rank test of policy auto's probe with collectives inside the layers (issue 52; run under
-torchrun by tests/integrations/test_auto_ranks.py).
+torchrun by tests/offload/auto/test_auto_ranks.py).
 
 A tiny Llama whose attention exchanges its queries with the other rank, there and back (two all-to-alls in forward,
 two in backward: the values unchanged, as sequence parallelism's layers issue collectives), under plain replicas

@@ -1,4 +1,4 @@
-"""One rank of the 2-rank policy-auto tests (run under torchrun by tests/integrations/test_auto_ranks.py).
+"""One rank of the 2-rank policy-auto tests (run under torchrun by tests/offload/auto/test_auto_ranks.py).
 
 A tiny Llama, built alike on every rank (same seed), sharded with FSDP2 (`fully_shard` per decoder layer and at the
 root, CPU mesh, gloo), or wrapped by DeepSpeed ZeRO-3; non-reentrant checkpointing. The ranks train on batches of

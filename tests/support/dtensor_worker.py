@@ -1,4 +1,4 @@
-"""One rank of the 2-process DTensor marking test (run under torchrun by tests/integrations/test_dtensor.py).
+"""One rank of the 2-process DTensor marking test (run under torchrun by tests/offload/test_dtensor.py).
 
 Per rank, on a 2-rank gloo CPU mesh: a DTensor layer input (sharded or replicated, requiring grad) goes through a
 non-reentrant checkpoint, as a tensor-parallel decoder layer's hidden states do. It is marked three ways -- the op

@@ -1,4 +1,4 @@
-"""One rank of the FSDP RAM-efficient loading tests (run under torchrun by tests/integrations/test_fsdp.py).
+"""One rank of the FSDP RAM-efficient loading tests (run under torchrun by tests/loading/test_fsdp.py).
 
 Per rank: load the checkpoint with `from_pretrained` under the FSDP env gate twice -- stock
 transformers first, then with `hsoffload.fsdp.patch()` -- counting, independently of hsoffload,

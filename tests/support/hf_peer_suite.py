@@ -1,5 +1,5 @@
 """transformers' own training tests and a mocked checkpoint function, run in a child process under a memory cap
-(tests/integrations/test_transformers_peer_suite.py launches this script through `support.limited`).
+(tests/offload/test_transformers_peer_suite.py launches this script through `support.limited`).
 
 Two commands, each writing its result as JSON to the path given last:
   suite   transformers 5.23's `test_training*` (support/upstream/transformers_5_23_training.py) for several families,

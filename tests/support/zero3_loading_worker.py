@@ -1,4 +1,4 @@
-"""One rank of the ZeRO-3 RAM-efficient loading check (tests/integrations/test_zero3_loading.py; issue 28 item 5).
+"""One rank of the ZeRO-3 RAM-efficient loading check (tests/loading/test_zero3_loading.py; issue 28 item 5).
 
 Loads a Llama under ZeRO-3 (an `HfDeepSpeedConfig` alive, `DS_ACCELERATOR=cpu`, gloo) several times in one process,
 in the order `--plan` gives (`from_config:patched,from_config:stock,...`): `from_config` (zero.Init, then

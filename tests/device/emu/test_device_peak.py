@@ -124,7 +124,7 @@ def _predict(family: str, seq: int, mode: str, tmp_path: Path, dtype: str, attn:
         optimizer="adamw_param_dtype",  # torch's AdamW keeps its moments in the parameters' dtype
         policy="all" if mode in NO_CHECKPOINTING else "hidden_states", share_copies=mode == "all_shared",
         host_ram_bytes=1 << 40, device_bytes=1 << 40,
-        experts_implementation="eager",  # what _config asks of the MoE model (grouped_mm: tests/tooling/test_plan.py)
+        experts_implementation="eager",  # what _config asks of the MoE model (grouped_mm: tests/planning/test_plan.py)
     ))
 
 

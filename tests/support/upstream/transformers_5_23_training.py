@@ -29,7 +29,7 @@ causal_lm_tester.py, no generation/ or exporters/ helpers that test_modeling_com
 Only the imports these methods use are kept, and the mixin derives from `object` (upstream's `ExportTesterMixin` base
 and its `__init_subclass__` hub-retry decorator concern export and hub downloads, never training). To refresh for
 another transformers release, re-extract the same methods from that release's sdist and update this header;
-tests/integrations/test_transformers_peer_suite.py skips itself when the installed transformers is not 5.23.x.
+tests/offload/test_transformers_peer_suite.py skips itself when the installed transformers is not 5.23.x.
 """
 
 import copy

@@ -16,13 +16,16 @@ from pathlib import Path
 
 import pytest
 
+# Every test here launches processes (tests/durations.json: the measured seconds).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "tests" / "extra_transformers.txt"
 # Suites that need only transformers + peft (Trainer pulls datasets, which pins newer hubs).
-SUITES = ["tests/integrations/test_transformers_models.py", "tests/integrations/test_patch.py",
-          "tests/integrations/test_layer_hooks.py", "tests/integrations/test_auto_versions.py",
-          "tests/integrations/test_auto_budget.py", "tests/integrations/test_auto_cpu.py",
-          "tests/engine/test_policies.py"]
+SUITES = ["tests/offload/test_transformers_models.py", "tests/offload/test_patch.py",
+          "tests/offload/test_layer_hooks.py", "tests/offload/auto/test_auto_versions.py",
+          "tests/offload/auto/test_auto_budget.py", "tests/offload/auto/test_auto_cpu.py",
+          "tests/offload/test_policies.py"]
 # Entries of extra_transformers.txt this matrix runs (others are used by their own suites).
 MATRIX = ("tf457",)
 

@@ -64,6 +64,7 @@ def test_restored_dtensor_keeps_mesh_placements_and_metadata(mesh):
     assert scope.stats.offloaded_tensors == 1
 
 
+@pytest.mark.slow
 def test_two_ranks_mark_a_dtensor_with_the_op_the_function_or_the_scope(tmp_path):
     """A real 2-process gloo mesh (tests/support/dtensor_worker.py under torchrun): whichever way the DTensor hidden
     state is marked, its later save through a non-reentrant checkpoint offloads the local shard on every rank,

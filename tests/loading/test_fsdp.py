@@ -111,6 +111,7 @@ def _assert_non_rank0_skipped_init(r1: dict, rep1: dict, major: int, tf_path: Pa
         assert r1["patched"]["param_all_zero"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tf_path", _versions())
 def test_two_ranks_skip_init_then_broadcast(tmp_path: Path, checkpoint: Path, tf_path: Path | None,
                                             request: pytest.FixtureRequest) -> None:
@@ -153,6 +154,7 @@ def test_two_ranks_skip_init_then_broadcast(tmp_path: Path, checkpoint: Path, tf
     assert r0["grad_finite"] and r1["grad_finite"]
 
 
+@pytest.mark.slow
 def test_fsdp2_two_ranks_train_with_offload_and_ram_efficient_loading(installed_run: Path) -> None:
     """Both features together, as Axolotl users run long context on several GPUs: RAM-efficient loading, FSDP2
     (`fully_shard`), non-reentrant checkpointing and hidden-state offload, 3 AdamW steps on 2 ranks (gloo)."""
@@ -175,6 +177,7 @@ def test_fsdp2_two_ranks_train_with_offload_and_ram_efficient_loading(installed_
     assert r0["report"]["skipped"] is False
 
 
+@pytest.mark.slow
 def test_rank_failing_during_load_fails_all_ranks(tmp_path: Path, checkpoint: Path) -> None:
     t0 = time.monotonic()
     proc = _torchrun(tmp_path, checkpoint, None, HSOFFLOAD_TEST_FAIL_RANK="1")

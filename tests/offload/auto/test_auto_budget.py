@@ -142,6 +142,7 @@ def _half_way(shape: Batch, attn: str = "eager", pad: bool = False) -> list[int]
     return [(a + b) // 2 for a, b in zip(peaks, peaks[1:])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn,pad", [("eager", False), ("sdpa", True)])
 def test_equal_tokens_in_longer_sequences_stay_under_the_budget(attn: str, pad: bool) -> None:
     """Calibrated on 8 x 64, then 1 x 512 (the same tokens; attention holds 8x more per layer): the longer
@@ -157,6 +158,7 @@ def test_equal_tokens_in_longer_sequences_stay_under_the_budget(attn: str, pad: 
     assert {s.length for s in ctl.buckets} == {64, 512} and all(s.quadratic for s in ctl.buckets)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["long-first", "short-first"])
 def test_alternating_lengths_decide_as_the_common_length_alone(order: str) -> None:
     """512 and 64 alternating: each length runs its own bucket's decision, the 512 one the same as a run of
@@ -181,6 +183,7 @@ def test_alternating_lengths_decide_as_the_common_length_alone(order: str) -> No
         del model, opt, ctl, decided  # the next run alone starts with what this one started with
 
 
+@pytest.mark.slow
 def test_random_lengths_calibrate_each_bucket_at_most_twice_and_decide_no_bolder_than_its_top_alone() -> None:
     """Seeded random lengths in [L/8, L] over 20 steps: at most two calibration steps per length bucket, every
     step under the budget, each bucket's decision no bolder than a run at its top length alone makes (the same where
@@ -225,6 +228,7 @@ def _saved_run(tmp_path: Path, budget: int, shape: Batch = (1, 512), **model_kwa
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("other", ["attention", "dtype", "micro-batch"])
 def test_a_state_file_from_another_run_is_not_applied(tmp_path: Path, other: str,
                                                       caplog: pytest.LogCaptureFixture) -> None:
@@ -249,6 +253,7 @@ def test_a_state_file_from_another_run_is_not_applied(tmp_path: Path, other: str
         assert "it was saved for another" in said and {"attention": "attention (", "dtype": "dtypes ("}[other] in said
 
 
+@pytest.mark.slow
 def test_a_layer_that_saves_more_than_its_file_says_is_measured_again(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     """A mismatch the file's identity cannot see: the same classes and shapes, but every decoder layer now saves
@@ -274,6 +279,7 @@ def test_a_layer_that_saves_more_than_its_file_says_is_measured_again(tmp_path: 
     assert [r.decided for r in auto.controller(model).history] == [False, False, True]
 
 
+@pytest.mark.slow
 def test_a_second_forward_per_backward_after_calibration_stays_under() -> None:
     """From step 4 on, each step runs two forwards before one backward: the decision made for one forward is not
     changed between them (the first forward runs it, the extra forward runs every layer checkpointed and offloaded),

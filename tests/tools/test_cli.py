@@ -34,6 +34,7 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_demo_on_cpu_writes_plot_and_reports_equal_losses(tmp_path: Path) -> None:
     png = tmp_path / "demo.png"
     out = tmp_path / "demo.json"
@@ -55,6 +56,7 @@ def test_demo_on_cpu_writes_plot_and_reports_equal_losses(tmp_path: Path) -> Non
     assert result["host_peak_offload"] == result["expected_hidden_bytes"]
 
 
+@pytest.mark.slow
 def test_bench_cpu_quick_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     png = tmp_path / "bench.png"
@@ -105,6 +107,7 @@ def test_bench_cpu_quick_json(tmp_path: Path) -> None:
     assert png.is_file()
 
 
+@pytest.mark.slow
 def test_bench_gpu_suite_refuses_without_cuda(tmp_path: Path) -> None:
     proc = _run(["bench", "--suite", "gpu"], tmp_path)
     assert proc.returncode == 2
@@ -155,6 +158,7 @@ def test_plot_into_a_directory_is_refused(tmp_path: Path, capsys) -> None:
     assert "is a directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_disk_quick_reports_spill_next_to_the_file_system(tmp_path: Path) -> None:
     out = tmp_path / "disk.json"
     proc = _run(["bench", "--suite", "disk", "--quick", "--spill-dir", str(tmp_path), "--json", str(out)], tmp_path)
@@ -167,6 +171,7 @@ def test_bench_disk_quick_reports_spill_next_to_the_file_system(tmp_path: Path) 
     assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # nothing left in the spill directory
 
 
+@pytest.mark.slow
 def test_plan_and_bench_arguments_are_checked(tmp_path: Path) -> None:
     proc = _run(["bench", "--suite", "disk", "--spill-dir", str(tmp_path / "nope")], tmp_path)
     assert proc.returncode == 2 and "--spill-dir" in proc.stderr
@@ -174,6 +179,7 @@ def test_plan_and_bench_arguments_are_checked(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "--seq-len" in proc.stderr
 
 
+@pytest.mark.slow
 def test_demo_does_not_import_the_benchmark_package(tmp_path: Path) -> None:
     code = "import sys, hsoffload.tools.demo; print(sorted(m for m in sys.modules if m.startswith('hsoffload.tools.bench')))"
     env = dict(os.environ, PYTHONPATH=str(Path(hsoffload.__file__).resolve().parent.parent),

@@ -7,6 +7,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: support.hf_tiny
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: support.hf_tiny
 
 axolotl = pytest.importorskip("axolotl", reason="the Axolotl leg needs Axolotl installed (make test-axolotl)")

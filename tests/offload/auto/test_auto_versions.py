@@ -1,5 +1,5 @@
 """Policy auto's probe (a decoder layer's extra forward at a calibration step) is seen by no output recorder, on
-every transformers of the matrix (tests/integrations/test_transformers_matrix.py runs this file under 4.57 too,
+every transformers of the matrix (tests/offload/test_transformers_matrix.py runs this file under 4.57 too,
 whose `check_model_inputs` wraps the layers' forwards for the model call): a router-logit loss and the hidden
 states a model returns are plain checkpointing's, bit for bit, from step 0 (the probe's step) on."""
 

@@ -584,6 +584,7 @@ def test_balanced_routing_answers_only_the_routing() -> None:
         assert tuple(torch.nonzero(mask[3]).shape) == (64 * 2 // 8, 2) and routing.token_lists == 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch's MemTracker needs torch.distributed")
 @pytest.mark.parametrize("name, experts, vocab, seq, checkpointing", [
     ("moe-30b-a3b", "grouped_mm", None, 4096, True), ("moe-30b-a3b", "grouped_mm", None, 4096, False),

@@ -65,6 +65,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_regional_inductor_every_policy_offloads_bitwise_without_recompiling():
     """One inductor compile of the layer (about 35 s on 2 cores), reused by every policy: the policies differ only
     in the saved-tensor hooks, which run outside the compiled graphs. The layers are compiled before hsoffload
@@ -100,6 +101,7 @@ def test_regional_inductor_every_policy_offloads_bitwise_without_recompiling():
     assert {f"model.layers.{i}" for i in range(H.LAYERS)} <= set(names)
 
 
+@pytest.mark.slow
 def test_regional_sac_offloads_what_the_compiled_graph_keeps():
     model = H.tiny_model("qwen3")
     H.enable_sac(model, {aten.mm.default, aten.bmm.default})
@@ -116,6 +118,7 @@ def test_regional_sac_offloads_what_the_compiled_graph_keeps():
         assert ours[2].offloaded_tensors > 2 * hidden_only[2].offloaded_tensors >= 2 * H.LAYERS
 
 
+@pytest.mark.slow
 def test_layer_compile_in_place_policy_all_bitwise():
     model = H.tiny_model("mistral")
     twin = H.twin(model)
@@ -130,6 +133,7 @@ def test_layer_compile_in_place_policy_all_bitwise():
     assert _graphs() == graphs
 
 
+@pytest.mark.slow
 def test_whole_model_compile_splits_at_each_layer_and_says_so(caplog):
     forget_logged()
     model = H.tiny_model("llama")
@@ -148,6 +152,7 @@ def test_whole_model_compile_splits_at_each_layer_and_says_so(caplog):
     assert any("graph break at the layer's start" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_regional_compile_with_reentrant_checkpointing_bitwise():
     model = H.tiny_model("mistral")
     H.enable_checkpointing(model, reentrant=True)

@@ -36,6 +36,7 @@ def _run(command: str, tmp_path: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not transformers.__version__.startswith("5.23."),
                     reason=f"the vendored upstream tests are transformers 5.23's; installed: {transformers.__version__}")
 def test_transformers_own_training_tests_pass_with_a_scope_around_each(tmp_path: Path) -> None:
@@ -50,6 +51,7 @@ def test_transformers_own_training_tests_pass_with_a_scope_around_each(tmp_path:
             assert r["offloaded"] > 0 and r["restored"] == r["offloaded"], (name, r)
 
 
+@pytest.mark.slow
 def test_a_mocked_checkpoint_function_in_a_scope_runs_bit_for_bit_in_bounded_memory(tmp_path: Path) -> None:
     r = _run("mock", tmp_path)
     assert r["bitwise"] == "equal", r["bitwise"]

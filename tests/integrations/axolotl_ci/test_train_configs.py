@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CPU_CONFIGS = sorted(REPO.glob("configs/*-cpu-*.yaml"))
 WORDS = "the a of to and in is it you that he was for on are with as I his they be at one have this".split()
 

@@ -12,7 +12,10 @@ import pytest
 
 from support import launch
 
-WORKER = Path(__file__).resolve().parents[1] / "support" / "auto_worker.py"
+# Every test here launches processes (tests/durations.json: the measured seconds).
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).resolve().parents[2] / "support" / "auto_worker.py"
 TIMEOUT_S = 240  # the workers' collective timeout is 1800 s
 
 

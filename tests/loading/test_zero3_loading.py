@@ -94,6 +94,7 @@ def gathers(kind: str) -> int:
     return 2 if kind == "from_config" and _transformers() >= (5, 23) else 1
 
 
+@pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.parametrize("kind", KINDS)
 def test_parameters_and_loss_equal_stock(runs: dict[int, Any], kind: str) -> None:
@@ -104,6 +105,7 @@ def test_parameters_and_loss_equal_stock(runs: dict[int, Any], kind: str) -> Non
     assert runs[0][(kind, True)]["digest"] == runs[1][(kind, True)]["digest"]
 
 
+@pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.parametrize("kind", KINDS)
 def test_rank1_receives_only_its_partition(runs: dict[int, Any], kind: str) -> None:
@@ -132,6 +134,7 @@ def test_rank1_receives_only_its_partition(runs: dict[int, Any], kind: str) -> N
           f"CPU in initialize_weights_zero3 {patched['init_cpu_s']:.3f} s patched, {stock['init_cpu_s']:.3f} s stock")
 
 
+@pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.parametrize("kind", KINDS)
 def test_rank0_is_the_source(runs: dict[int, Any], kind: str) -> None:
@@ -141,6 +144,7 @@ def test_rank0_is_the_source(runs: dict[int, Any], kind: str) -> None:
     assert s["scattered_params"] == n and s["gathered_params"] == gathers(kind) * n
 
 
+@pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.parametrize("kind", KINDS)
 def test_verify_compared_every_partition(runs: dict[int, Any], kind: str) -> None:
@@ -162,6 +166,7 @@ def _failed(runs: dict[int, Any], kind: str) -> tuple[dict[str, Any], dict[str, 
     return r0["raised"], r1["raised"]
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_mismatched_checkpoint_raises_the_same_error_on_every_rank(runs: dict[int, Any]) -> None:
     e0, e1 = _failed(runs, "mismatch")
@@ -173,6 +178,7 @@ def test_mismatched_checkpoint_raises_the_same_error_on_every_rank(runs: dict[in
     assert "12 of" in m and "ignore_mismatched_sizes=True" in m and "config it was saved with" in m
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_a_failure_on_rank0_only_raises_on_every_rank(runs: dict[int, Any]) -> None:
     e0, e1 = _failed(runs, "rank0_read_error")
@@ -182,6 +188,7 @@ def test_a_failure_on_rank0_only_raises_on_every_rank(runs: dict[int, Any]) -> N
     assert f"{e0['type']}: {e0['message']}" in e1["message"]  # one message: rank 0's, quoted
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_a_failure_inside_rank0s_gathered_init_raises_on_every_rank_with_verify_on(runs: dict[int, Any]) -> None:
     """Rank 0's init fails inside the gathered initialize_weights_zero3 while verify=True: every rank still runs
@@ -191,6 +198,7 @@ def test_a_failure_inside_rank0s_gathered_init_raises_on_every_rank_with_verify_
     assert e1["type"] == "Zero3LoadError" and e0["message"] in e1["message"] and "rank 0 failed" in e1["message"]
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_ignore_mismatched_sizes_initialises_them_on_every_rank(runs: dict[int, Any]) -> None:
     r0, r1 = runs[0][("mismatch_ignored", True)], runs[1][("mismatch_ignored", True)]
@@ -200,6 +208,7 @@ def test_ignore_mismatched_sizes_initialises_them_on_every_rank(runs: dict[int, 
     assert r1["stats"]["received_params"] == r1["params"] + r1["params"] - 12  # zero.Init + the 27 it loaded
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_verify_names_the_corrupted_partition_on_every_rank(runs: dict[int, Any]) -> None:
     e0, e1 = _failed(runs, "verify_detects")
@@ -208,6 +217,7 @@ def test_verify_names_the_corrupted_partition_on_every_rank(runs: dict[int, Any]
     assert e0["message"] in e1["message"] and "rank 0 failed" in e1["message"]
 
 
+@pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.parametrize("kind", ["receiver_capped_init", "receiver_capped_gathered"])
 def test_a_failure_of_every_allocation_on_a_receiver_raises_the_same_error_on_every_rank(
@@ -226,6 +236,7 @@ def test_a_failure_of_every_allocation_on_a_receiver_raises_the_same_error_on_ev
         assert "inside GatheredParameters" in e0["message"]
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_a_failure_of_rank0s_own_slice_allocation_raises_the_same_error_on_every_rank(runs: dict[int, Any]) -> None:
     e0, e1 = _failed(runs, "rank0_own_slice_fails")
@@ -234,6 +245,7 @@ def test_a_failure_of_rank0s_own_slice_allocation_raises_the_same_error_on_every
     assert e1["type"] == "Zero3LoadError" and "rank 0 failed" in e1["message"] and e0["message"] in e1["message"]
 
 
+@pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.parametrize("kind,error,where", [("rank1_missing_index", "OSError", "LlamaForCausalLM.from_pretrained"),
                                               ("rank1_missing_config", "ValueError", "AutoConfig.from_pretrained")])

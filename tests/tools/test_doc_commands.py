@@ -1,10 +1,12 @@
-"""Every shell block marked `<!-- runnable -->` in README.md and docs/*.md runs exactly as written.
+"""Every shell block marked `<!-- runnable -->` in README.md, docs/*.md and the task pages (docs/tasks/*.md) runs
+exactly as written; so does every Python block so marked, as a script of its own.
 
 Each line of such a block runs with bash in the repository root, with the test interpreter's environment first on
 PATH (`python`, `hsoffload`), and must exit 0. A block of one command followed by a plain ``` block (no language)
 shows that command's output: it must print exactly that (trailing spaces aside), so printed plans cannot go stale
 when the planner changes. Blocks without the marker (installs, multi-minute commands, `make test`
-itself) are not run here; CI runs `make test` and `make demo` is the demo's own test.
+itself) are not run here; CI runs `make test` and `make demo` is the demo's own test. A marked Python block runs with
+the test interpreter in the repository root and must exit 0 (a task page's example, on tiny models, on the CPU).
 """
 
 from __future__ import annotations
@@ -17,21 +19,30 @@ from pathlib import Path
 
 import pytest
 
+# Every test here launches processes (tests/durations.json: the measured seconds).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 _MARKER = "<!-- runnable -->"
 _BLOCK = re.compile(re.escape(_MARKER) + r"\s*\n```(?:bash|sh|shell)\n(.*?)```", re.S)
 # A runnable block of one command, then its output in a plain block.
 _SHOWN = re.compile(re.escape(_MARKER) + r"\s*\n```(?:bash|sh|shell)\n([^\n]*)\n```\s*\n```\n(.*?)```", re.S)
+_PYTHON = re.compile(re.escape(_MARKER) + r"\s*\n```python\n(.*?)```", re.S)
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "tasks").glob("*.md"))]
+
+
+def _name(doc: Path) -> str:
+    return str(doc.relative_to(ROOT / "docs")) if doc.parent != ROOT else doc.name
 
 
 def _commands() -> list[tuple[str, str]]:
     found = []
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in DOCS:
         for block in _BLOCK.findall(doc.read_text()):
             for line in block.splitlines():
                 line = line.split("  #")[0].strip()
                 if line and not line.startswith("#"):
-                    found.append((doc.name, line))
+                    found.append((_name(doc), line))
     return found
 
 
@@ -39,12 +50,19 @@ COMMANDS = _commands()
 
 
 def _shown_outputs() -> list[tuple[str, str, str]]:
-    return [(doc.name, command.strip(), shown)
-            for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-            for command, shown in _SHOWN.findall(doc.read_text())]
+    return [(_name(doc), command.strip(), shown) for doc in DOCS for command, shown in _SHOWN.findall(doc.read_text())]
 
 
 SHOWN = _shown_outputs()
+
+
+def _first_statement(block: str) -> str:
+    lines = block.splitlines()
+    return next((line for line in lines if line and not line.startswith(("#", "import", "from"))), lines[0])
+
+
+# Each marked Python block: (doc, its first line that is not a comment or an import, the block).
+PYTHON = [(_name(doc), _first_statement(block), block) for doc in DOCS for block in _PYTHON.findall(doc.read_text())]
 
 
 def _run(command: str) -> subprocess.CompletedProcess[str]:
@@ -87,3 +105,12 @@ def test_documented_output_is_what_the_command_prints(doc: str, command: str, sh
     printed = [line.rstrip() for line in out.stdout.strip().splitlines()]
     assert printed == [line.rstrip() for line in shown.strip().splitlines()], (
         f"{doc}: the output shown for `{command}` is stale; it prints now:\n" + "\n".join(printed))
+
+
+@pytest.mark.parametrize("doc, first, code", PYTHON, ids=[f"{d}:{f}" for d, f, _ in PYTHON])
+def test_documented_python_runs_as_written(doc: str, first: str, code: str, tmp_path: Path) -> None:
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    out = _run(f"python {script}")
+    assert out.returncode == 0, f"{doc}: the Python block starting `{first}` exited {out.returncode}:\n" + (
+        out.stdout + out.stderr)[-3000:]

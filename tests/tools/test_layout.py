@@ -148,7 +148,7 @@ def test_no_wing_imports_a_wing_beside_or_above_it() -> None:
         for dep in sorted(_imports(path, set(paths))):
             if _wing(dep) and _wing(dep) not in allowed:
                 wrong.append(f"{name} -> {dep}")
-    assert not wrong, f"imports against the wings' order (tests/tooling/test_layout.py, WINGS): {wrong}"
+    assert not wrong, f"imports against the wings' order (tests/tools/test_layout.py, WINGS): {wrong}"
 
 
 def test_the_planning_wing_needs_neither_torch_nor_transformers_at_import() -> None:
