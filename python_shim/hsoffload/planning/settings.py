@@ -216,6 +216,8 @@ BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
 
 def _bound_words(s: Setting) -> str:
+    if s.minimum is not None and s.below is not None:
+        return f"in [{s.minimum:g}, {s.below:g})"
     words = [f">= {s.minimum:g}" if s.minimum is not None else "", f"> {s.above:g}" if s.above is not None else "",
              f"< {s.below:g}" if s.below is not None else ""]
     return " and ".join(w for w in words if w)

@@ -85,7 +85,12 @@ class _PlanInputMethods:
 
 # Everything a plan depends on besides the model's config.json: one field per setting of the planner's table, named
 # as the setting (the CLI flag is --name-with-dashes but for the GiB sizes, `--device-gib` is device_bytes).
-PlanInput = settings.plan_input_class(settings.SETTINGS, _PlanInputMethods, module=__name__)
+def input_class(table: tuple[settings.Setting, ...]) -> Any:
+    """The PlanInput class of a table of settings (the module's PlanInput is the planner table's)."""
+    return settings.plan_input_class(table, _PlanInputMethods, module=__name__)
+
+
+PlanInput = input_class(settings.SETTINGS)
 
 
 @dataclasses.dataclass(frozen=True)
