@@ -110,6 +110,37 @@ class ModelShape:
     text_model_type: str = ""  # the decoder's own model_type (the text part's for multimodal configs)
     routing_weights_float32: bool = True  # the router hands the experts float32 weights (see ROUTING_IN_MODEL_DTYPE)
     router_input_float32: bool = False  # the router saves a float32 copy of its input (ROUTER_INPUT_FLOAT32)
+    # Carried for building the model (hsoffload.tools): memory depends on neither.
+    max_positions: int = 4096
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def llama(cls, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int, layers: int,
+              max_positions: int = 4096, rope_theta: float = 10000.0) -> "ModelShape":
+        """A Llama decoder's shape (untied head, head_dim = hidden / heads)."""
+        return cls(model_type="llama", layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
+                   kv_heads=kv_heads, head_dim=hidden // heads, vocab=vocab, tied_embeddings=False,
+                   text_model_type="llama", max_positions=max_positions, rope_theta=rope_theta)
+
+    def to_config(self) -> dict[str, Any]:
+        """The transformers config.json fields of this shape (`shape_from_config`'s inverse for the dense and MoE
+        decoders it reads: the MoE layers last, Qwen3-MoE's keys)."""
+        cfg: dict[str, Any] = {
+            "model_type": self.text_model_type or self.model_type, "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate, "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab, "tie_word_embeddings": self.tied_embeddings,
+            "max_position_embeddings": self.max_positions, "rope_theta": self.rope_theta,
+        }
+        if self.attention_bias:
+            cfg["attention_bias"] = True
+        if self.experts:
+            cfg.update(num_experts=self.experts, num_experts_per_tok=self.experts_per_token,
+                       moe_intermediate_size=self.expert_intermediate,
+                       mlp_only_layers=list(range(self.layers - self.moe_layers)))
+            if self.shared_expert_intermediate:
+                cfg["shared_expert_intermediate_size"] = self.shared_expert_intermediate
+        return cfg
 
     @property
     def dense_layers(self) -> int:
@@ -235,6 +266,8 @@ def shape_from_config(data: dict[str, Any], source: str = "config") -> ModelShap
         shared_expert_intermediate=shared_inter, moe_layers=moe_layers, text_model_type=text_type,
         routing_weights_float32=text_type.removesuffix("_text") not in ROUTING_IN_MODEL_DTYPE,
         router_input_float32=text_type.removesuffix("_text") in ROUTER_INPUT_FLOAT32,
+        max_positions=_int(cfg, "max_position_embeddings", default=4096) or 4096,
+        rope_theta=float(cfg.get("rope_theta") or 10000.0),
     )
 
 
