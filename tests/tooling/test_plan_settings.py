@@ -158,3 +158,16 @@ def test_what_the_planner_cannot_model_makes_the_verdict_cannot_judge(capsys: py
     assert packed["step_time_s"] < plain["step_time_s"]
     assert main(["plan", *common, "--sample-packing"]) == 0
     assert "verdict: cannot judge; the planner cannot model sample_packing" in capsys.readouterr().out
+
+
+def test_one_model_shape_type_writes_the_config_it_reads() -> None:
+    """ModelShape is the one model-shape type (the planner's, the demo's and the benchmarks'): its config.json fields
+    read back give it again, for a dense and an MoE model, and the tools' Llama builds from it."""
+    from hsoffload.planning.memory import shape_from_config
+    from hsoffload.tools import workloads
+
+    for path in (LLAMA_8B, str(REPO / "configs" / "qwen3-30b-a3b-shape.json")):
+        shape = shape_from_config(json.loads(Path(path).read_text()))
+        assert shape_from_config(shape.to_config()) == shape, path
+    tiny = workloads.tiny_llama(layers=2, max_positions=8192)
+    assert shape_from_config(tiny.to_config()) == tiny and tiny.to_config()["max_position_embeddings"] == 8192

@@ -148,7 +148,8 @@ def resolve(inp: PlanInput, shape: pm.ModelShape) -> PlanInput:
                if shape.moe_layers else None)
     return dataclasses.replace(
         inp, policy=policy, experts_implementation=experts,
-        chunked_loss=inp.chunked_loss or inp.fused_kernels == "liger", keep_last_layers=min(inp.keep_last_layers, shape.layers),
+        chunked_loss=inp.chunked_loss or inp.fused_kernels == "liger",
+        keep_last_layers=min(inp.keep_last_layers, shape.layers),
         local_world_size=inp.local_world_size or min(inp.world_size, 8),
         device_bytes=inp.device_bytes if inp.device_bytes is not None else default_device_bytes(),
         host_ram_bytes=inp.host_ram_bytes if inp.host_ram_bytes is not None else _mem_available(),
@@ -157,10 +158,10 @@ def resolve(inp: PlanInput, shape: pm.ModelShape) -> PlanInput:
 
 
 def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
-    """The planner's Setup of `inp` (resolved first unless it is): its step settings by name; policy auto as its
-    leanest choice (every layer offloaded: the decision is `auto_decision`'s). PlanError on what cannot work."""
-    if inp.policy is None:
-        inp = resolve(inp, shape)
+    """The planner's Setup of `inp` (resolved first: resolving a resolved input changes nothing): its step settings
+    by name; policy auto as its leanest choice (every layer offloaded: the decision is `auto_decision`'s). PlanError
+    on what cannot work."""
+    inp = resolve(inp, shape)
     policy = PolicyName(inp.policy)
     if policy.chooses_per_layer:
         if not inp.checkpointing:

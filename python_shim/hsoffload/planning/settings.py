@@ -201,8 +201,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("overhead_bytes", GIB_BYTES, None, "device GiB the process holds beyond its tensors, instead of the "
             "sourced defaults (CUDA context, cuBLAS workspaces, NCCL communicators, ZeRO-3 buckets); the "
             "allocator's margin (--fragmentation) is added either way", minimum=0, nullable=True, step=False),
-    Setting("fragmentation", FLOAT, FRAGMENTATION, "the caching allocator's reserved-but-unused share of the peak (default "
-            "0.05)", minimum=0, below=1, step=False),
+    Setting("fragmentation", FLOAT, FRAGMENTATION, "the caching allocator's reserved-but-unused share of the peak "
+            f"(default {FRAGMENTATION})", minimum=0, below=1, step=False),
     Setting("deepspeed_config", PATH, None, "a DeepSpeed config: with ZeRO-3, its reduce and prefetch buckets are "
             "counted ('auto' as transformers fills it)", nullable=True, metavar="JSON", step=False,
             axolotl="deepspeed", trainer_args="deepspeed"),
