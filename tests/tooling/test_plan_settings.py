@@ -171,3 +171,23 @@ def test_one_model_shape_type_writes_the_config_it_reads() -> None:
         assert shape_from_config(shape.to_config()) == shape, path
     tiny = workloads.tiny_llama(layers=2, max_positions=8192)
     assert shape_from_config(tiny.to_config()) == tiny and tiny.to_config()["max_position_embeddings"] == 8192
+
+
+def test_the_banded_verdict_follows_the_measured_error() -> None:
+    """Issue 55's rules, against what the process reserves R and the device C: fits when R x (1 + under) <= C, does
+    not fit when R / (1 + over) > C, may not fit in between; the band is the device class's."""
+    inp = plan.PlanInput(config=LLAMA_8B, seq_len=8192, adapter="lora", device_bytes=80 * GIB,
+                         host_ram_bytes=1024 * GIB, torch_version="2.11.0")
+    reserved = plan.plan(inp).device_reserved_bytes
+    gpu = plan.plan(inp).error_band
+    assert (gpu.device_class, gpu.over, gpu.under) == ("gpu", 0.20, 0.06)
+    cases = [(math.ceil(reserved * 1.06), "fits", "fits"), (math.ceil(reserved * 1.06) - 1, "fits", "may not fit"),
+             (reserved, "fits", "may not fit"), (math.floor(reserved / 1.2), "does not fit", "may not fit"),
+             (math.floor(reserved / 1.2) - 1, "does not fit", "does not fit")]
+    for capacity, verdict, banded in cases:
+        p = plan.plan(plan.PlanInput(**{**inp.__dict__, "device_bytes": capacity}))
+        assert (p.verdict, p.banded_verdict) == (verdict, banded), capacity
+    emulated = plan.plan(plan.PlanInput(**{**inp.__dict__, "device_bytes": reserved, "device_class": "emulated"}))
+    assert emulated.error_band.under == 0.055 and emulated.banded_verdict == "may not fit"
+    walled = plan.plan(plan.PlanInput(**{**inp.__dict__, "unmodelled": ("rope_scaling",)}))
+    assert walled.verdict == "cannot judge" and walled.banded_verdict is None

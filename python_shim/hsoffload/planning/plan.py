@@ -28,7 +28,7 @@ from typing import Any, Optional
 from .. import choose, options
 from ..options import AUTO_HOST_BUDGET_FRACTION, PolicyName
 from . import memory as pm
-from . import adapters, overhead, timing, walls
+from . import adapters, band, overhead, timing, walls
 from .overhead import DeviceFit, Overhead
 from .settings import PlanError
 from .shapes import PLAN_FORMAT_VERSION, AutoPlan, Fastest, LongestRun, MaxSeqResult, MaxSeqRow, PlanInput, PlanResult  # noqa: F401
@@ -419,7 +419,9 @@ def plan(inp: PlanInput) -> PlanResult:
         step_time_s=step.total_s, step_time_s_checkpointing=step_ckpt.total_s,
         step_time_s_without_offload=step_plain.total_s, step_overhead=step.total_s / step_ckpt.total_s - 1,
         step_parts=step.parts, verdict=_verdict(hit, cannot, reserved <= inp.device_bytes, host), fixes=fixes,
-        advice=why, walls=hit, unmodelled=cannot,
+        advice=why, walls=hit, unmodelled=cannot, error_band=band.BANDS[inp.device_class],
+        banded_verdict=None if hit or cannot or not host.states_fit
+        else band.BANDS[inp.device_class].verdict(reserved, inp.device_bytes),
         auto_decision=auto_decision(shape, setup, device, local, fit, inp.device_bytes,
                                     host.budget // max(1, local)) if auto else None,
     )
@@ -622,6 +624,11 @@ def format_plan(p: PlanResult) -> str:
     else:
         extra = " (set spill_dir)" if p.verdict == "fits with spill" else ""
         lines.append(f"verdict: {p.verdict}{extra}; {hide}")
+    plain = p.verdict.removesuffix(" with spill")
+    if p.banded_verdict is not None and p.error_band is not None and p.banded_verdict != plain:
+        e = p.error_band
+        lines.append(f"with the planner's measured error ({e.device_class}: {e.over:+.0%} / {-e.under:+.0%}): "
+                     f"{p.banded_verdict}")
     if p.auto_decision is not None:  # --policy auto: what the runtime would choose, from the models
         lines.append("with --policy auto (the figures above: every layer offloaded, its leanest choice), reserved:")
         lines.extend("  " + line for line in p.auto_decision.table.splitlines())

@@ -196,6 +196,9 @@ SETTINGS: tuple[Setting, ...] = (
             "(their attention cost; default: --seq-len, one per row)", minimum=1, nullable=True, metavar="TOKENS"),
     Setting("unmodelled", NAMES, (), "settings of the run the planner cannot model that change memory (read from "
             "the user's files): the verdict is 'cannot judge', naming them", metavar="KEYS", step=False),
+    Setting("device_class", CHOICE, "gpu", "which measured error band the banded verdict uses: gpu (published runs "
+            "on NVIDIA GPUs, the default) or emulated (the emulated device's tracked peaks); hsoffload.planning.band",
+            choices=("gpu", "emulated"), step=False),
     Setting("torch_version", TEXT, None, "the torch release the kernels' walls are read for (default: the installed "
             "one, from package metadata)", nullable=True, flag="--torch", metavar="VERSION", step=False),
     Setting("overhead_bytes", GIB_BYTES, None, "device GiB the process holds beyond its tensors, instead of the "

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from . import settings
 from .settings import PlanError
+from .band import ErrorBand
 from .walls import WallHit
 
 # The version of the JSON of PlanInput and the results: raised when a key is renamed or removed (adding one keeps it).
@@ -141,6 +142,11 @@ class PlanResult:
     advice: str
     walls: list[WallHit]  # the kernels' walls this run meets (hsoffload.planning.walls), the silently wrong first
     unmodelled: list[str] = dataclasses.field(default_factory=list)  # what makes the verdict "cannot judge"
+    # The planner's measured error for the input's device class (hsoffload.planning.band) and the verdict it allows
+    # for what the process reserves: "fits", "may not fit" or "does not fit" (None where a wall or an unmodelled
+    # setting decides the verdict, or the host's model states do not fit)
+    error_band: Optional["ErrorBand"] = None
+    banded_verdict: Optional[str] = None
     step_time_s_without_offload: Optional[float] = None  # the same step, checkpointing as given, without hsoffload
     auto_decision: Optional["AutoPlan"] = None  # --policy auto: the decision per layer (hsoffload.choose)
 
