@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 FITS, MAY_NOT_FIT, DOES_NOT_FIT = "fits", "may not fit", "does not fit"
+CANNOT_JUDGE = "cannot judge"  # the verdict when a setting that changes memory is one the planner cannot model
 
 
 @dataclasses.dataclass(frozen=True)

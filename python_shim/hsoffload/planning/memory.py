@@ -59,8 +59,7 @@ import math
 from typing import Any, Optional
 
 from ..options import PolicyName
-from .settings import (ATTENTION_IMPLEMENTATIONS, CPU_OFFLOAD, EXPERTS_IMPLEMENTATIONS, FUSED_KERNELS,  # noqa: F401
-                       SEQUENCE_PARALLEL_KINDS, SETTINGS, PlanError)
+from .settings import SETTINGS, PlanError  # noqa: F401  (PlanError: its old home; the table's allowed values)
 from .settings import OPTIMIZERS as OPTIMIZER_NAMES
 from . import adapters
 
@@ -74,8 +73,8 @@ OPTIMIZERS: dict[str, Optional[int]] = {"adamw": 8, "adam": 8, "adamw_master": 1
                                         "adamw_8bit": 2, "paged_adamw_8bit": 2, "paged_adamw_32bit": 8, "sgd": 0,
                                         "sgd_momentum": 4}
 assert set(OPTIMIZERS) == set(OPTIMIZER_NAMES), "memory.OPTIMIZERS must cover settings.OPTIMIZERS"
-OFFLOAD_POLICIES = tuple(p.value for p in PolicyName if not p.chooses_per_layer)  # the memory model's
-# cpu_offload (CPU_OFFLOAD): "optimizer" (optimizer states, float32 master weights and float32 gradients on the host,
+# The allowed values of the settings below live in the planner's table (hsoffload.planning.settings).
+# cpu_offload: "optimizer" (optimizer states, float32 master weights and float32 gradients on the host,
 # the step on the CPU: ZeRO-Offload's offload_optimizer), "params" (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3
 # offload_param; the device holds only the layers gathered for compute). fused_kernels "liger": Liger's RMSNorm,
 # SwiGLU and fused linear cross-entropy, as TRL's use_liger_kernel or Axolotl's liger_* keys turn them on.
