@@ -44,8 +44,8 @@ def main() -> int:
     hsemu.load()
     hsemu.set_copy_delay(0, 0, 0)  # copy time is the bytes at the rate only
     dev = torch.device(hsemu.DEVICE, 0)
-    shape = step_time.Shape(seq=args.seq, layers=args.layers)
-    layer_bytes = shape.seq * shape.hidden * 4  # a layer's input, float32
+    shape = step_time.Workload.small(seq=args.seq, layers=args.layers)
+    layer_bytes = shape.seq * shape.model.hidden * 4  # a layer's input, float32
 
     # A first calibration only picks each point's rate (copy time per layer over the predicted forward of a layer);
     # the sweep calibrates once more, from checkpointing alone measured beside every point, and predicts with that.
@@ -61,8 +61,8 @@ def main() -> int:
             yield (f"copy/forward {r:g}", shape, rate / 1e9, lambda rate=rate: hsemu.copy_rate(rate, rate, 0))
 
     result = step_time.sweep(points(), dev, hsemu.synchronize, "math", args.repeats, args.steps)
-    print(step_time.report(result, f"step-time model vs the emulated device: Llama {shape.layers} layers, hidden "
-                                   f"{shape.hidden}, {shape.seq} tokens, float32, {args.repeats} repeats of "
+    print(step_time.report(result, f"step-time model vs the emulated device: Llama {shape.model.layers} layers, hidden "
+                                   f"{shape.model.hidden}, {shape.seq} tokens, float32, {args.repeats} repeats of "
                                    f"{args.steps} steps per point; {torch.get_num_threads()} compute threads"))
     if args.json:
         step_time.save(result, args.json, device="hsemu")

@@ -46,7 +46,7 @@ def test_reserved_is_the_peak_plus_the_terms_and_decides_the_verdict(capsys: pyt
     between = (p["device_peak_bytes"] + p["device_reserved_bytes"]) / 2 / GIB
     tight = _json(capsys, LLAMA_8B, "--seq-len", "65536", "--world-size", "8", "--sequence-parallel", "8",
                   "--device-gib", f"{between:.4f}", "--host-ram-gib", "2048")
-    assert tight["device_peak_bytes"] < tight["device_bytes"] < tight["device_reserved_bytes"]
+    assert tight["device_peak_bytes"] < tight["input"]["device_bytes"] < tight["device_reserved_bytes"]
     assert tight["verdict"] == "does not fit"
 
 

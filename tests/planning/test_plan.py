@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -55,6 +55,16 @@ LLAMA_8B = str(REPO / "configs" / "llama-8b-shape.json")
 GIB = 1 << 30
 
 
+def _sharded(p: dict[str, Any]) -> bool:
+    """The plan's model states are FSDP-sharded (FSDP over more than one rank)."""
+    return p["input"]["fsdp"] and p["input"]["world_size"] > 1
+
+
+def _same_plan(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two plans' JSON alike but for where their input read the config.json from."""
+    return {**a, "input": {**a["input"], "config": None}} == {**b, "input": {**b["input"], "config": None}}
+
+
 def _plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     assert main(["plan", *args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
@@ -100,11 +110,11 @@ def test_one_million_tokens_with_ulysses_tiling_and_a_chunked_loss(capsys: pytes
 def test_each_knob_moves_its_term(capsys: pytest.CaptureFixture[str]) -> None:
     base = [LLAMA_8B, "--seq-len", "65536", "--world-size", "8", "--device-gib", "80", "--host-ram-gib", "4096"]
     p = _plan_json(capsys, *base)
-    assert p["fsdp"] and p["terms"]["weights"] == p["parameters"] * 2 // 8
+    assert _sharded(p) and p["terms"]["weights"] == p["parameters"] * 2 // 8
     unsharded = _plan_json(capsys, *base, "--no-fsdp")
     assert unsharded["terms"]["weights"] == p["parameters"] * 2 and unsharded["terms"]["fsdp_gathered_layers"] == 0
     single = _plan_json(capsys, LLAMA_8B, "--seq-len", "65536", "--host-ram-gib", "4096")
-    assert single["terms"]["optimizer_states"] == single["parameters"] * 8 and not single["fsdp"]
+    assert single["terms"]["optimizer_states"] == single["parameters"] * 8 and not _sharded(single)
     assert _plan_json(capsys, *base, "--optimizer", "sgd")["terms"]["optimizer_states"] == 0
     chunked = _plan_json(capsys, *base, "--chunked-loss")
     assert chunked["terms"]["logits"] == 0 and chunked["device_peak_bytes"] < p["device_peak_bytes"]
@@ -119,7 +129,7 @@ def test_each_knob_moves_its_term(capsys: pytest.CaptureFixture[str]) -> None:
     flash = _plan_json(capsys, *base, "--attn", "flash")
     assert flash["terms"]["attention_saved"] < 65536 * 4096 * 2 * 4
     none = _plan_json(capsys, *base, "--no-checkpointing")
-    assert none["policy"] == "all" and not none["checkpointing"]
+    assert none["input"]["policy"] == "all" and not none["input"]["checkpointing"]
     assert none["device_peak_bytes"] < none["device_peak_bytes_no_checkpointing"]
     sac = _plan_json(capsys, *base, "--policy", "sac")
     assert sac["device_bytes_checkpointing"] > p["device_bytes_checkpointing"]
@@ -353,7 +363,7 @@ def test_liger_kernels_save_what_their_autograd_functions_save(tmp_path: Path,
     t, h, i, b = 1024, 64, 256, 2
     eager = _plan_json(capsys, config, "--seq-len", str(t))
     liger = _plan_json(capsys, config, "--seq-len", str(t), "--fused-kernels", "liger")
-    assert liger["chunked_loss"] and liger["fused_kernels"] == "liger"
+    assert liger["input"]["chunked_loss"] and liger["input"]["fused_kernels"] == "liger"
     assert eager["terms"]["mlp_saved"] == 4 * t * i * b and liger["terms"]["mlp_saved"] == 3 * t * i * b
     attention = t * (64 + 2 * 32 + 64) * b + t * 4 * 4  # q, k, v, output, float32 logsumexp per head
     assert eager["terms"]["attention_saved"] == liger["terms"]["attention_saved"] == attention
@@ -374,7 +384,7 @@ def test_sequence_parallel_kinds(tmp_path: Path, capsys: pytest.CaptureFixture[s
     t_rank, hd, b = 4096 // 4, 16, 2
     common = [config, "--seq-len", "4096", "--world-size", "4", "--sequence-parallel", "4"]
     ulysses = _plan_json(capsys, *common)
-    assert ulysses["sequence_parallel_kind"] == "ulysses" and ulysses["tokens_per_rank"] == t_rank
+    assert ulysses["input"]["sequence_parallel_kind"] == "ulysses" and ulysses["tokens_per_rank"] == t_rank
     assert ulysses["terms"]["ulysses_buffers"] == t_rank * (2 * 4 + 2 * 4) * hd * b  # 2 KV heads replicated to 4
     assert ulysses["terms"]["ring_buffers"] == 0
     ring = _plan_json(capsys, *common, "--sequence-parallel-kind", "ring")
@@ -444,7 +454,7 @@ def test_moe_routing_buffers(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
-    assert _plan_json(capsys, str(tmp_path), "--seq-len", str(t))["experts_implementation"] == \
+    assert _plan_json(capsys, str(tmp_path), "--seq-len", str(t))["input"]["experts_implementation"] == \
         model.config._experts_implementation  # what transformers itself picked for this model
     assert main(["plan", str(tmp_path), "--seq-len", str(t), "--experts-implementation", "grouped_mm"]) == 0
     assert "experts grouped_mm" in capsys.readouterr().out
@@ -453,7 +463,7 @@ def test_moe_routing_buffers(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     dense_dir = tmp_path / "dense"
     dense_dir.mkdir()
     dense = _plan_json(capsys, _tiny(dense_dir), "--seq-len", str(t))
-    assert dense["terms"]["moe_routing"] == 0 and dense["experts_implementation"] is None
+    assert dense["terms"]["moe_routing"] == 0 and dense["input"]["experts_implementation"] is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -658,17 +668,17 @@ def test_one_plan_shape_from_flags_a_call_and_a_file(tmp_path: Path, capsys: pyt
     (tmp_path / "config.json").write_text(Path(LLAMA_8B).read_text())
     fields = {**inp.__dict__, "config": "config.json"}
     (tmp_path / "run.json").write_text(json.dumps(fields))
-    assert _plan_json(capsys, "--input", str(tmp_path / "run.json")) == {**flags}
+    assert _same_plan(_plan_json(capsys, "--input", str(tmp_path / "run.json")), flags)
     yaml = pytest.importorskip("yaml")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(fields))
-    assert _plan_json(capsys, "--input", str(tmp_path / "run.yaml")) == flags
+    assert _same_plan(_plan_json(capsys, "--input", str(tmp_path / "run.yaml")), flags)
     longer = _plan_json(capsys, "--input", str(tmp_path / "run.json"), "--seq-len", "131072")
-    assert longer["seq_len"] == 131072 and longer["policy"] == "sac" and not longer["fsdp"]
+    assert longer["input"]["seq_len"] == 131072 and longer["input"]["policy"] == "sac" and not longer["input"]["fsdp"]
     # A flag written beside --input overrides the file even when it repeats the flag's default.
     (tmp_path / "deep.json").write_text(json.dumps({**fields, "prefetch_depth": 2}))
     assert _plan_json(capsys, "--input", str(tmp_path / "deep.json"), "--prefetch-depth", "1",
-                      "--policy", "hidden_states")["policy"] == "hidden_states"
-    assert plan.plan(plan.PlanInput.from_file(str(tmp_path / "deep.json"))).policy == "sac"
+                      "--policy", "hidden_states")["input"]["policy"] == "hidden_states"
+    assert plan.plan(plan.PlanInput.from_file(str(tmp_path / "deep.json"))).input.policy == "sac"
     # to_json's output is an input again; --max-seq needs no seq_len in the file.
     (tmp_path / "again.json").write_text(json.dumps({**inp.to_json(), "config": LLAMA_8B}))
     assert plan.PlanInput.from_file(str(tmp_path / "again.json")) == inp

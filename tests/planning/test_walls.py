@@ -56,7 +56,7 @@ def test_seq_len_past_a_wall_never_fits(capsys: pytest.CaptureFixture[str]) -> N
     below = _json(capsys, *common, "--seq-len", "523264")
     past = _json(capsys, *common, "--seq-len", "524288")
     assert below["verdict"] == "fits" and below["walls"] == []
-    assert past["verdict"] == "does not run" and past["device_peak_bytes"] < past["device_bytes"]
+    assert past["verdict"] == "does not run" and past["device_peak_bytes"] < past["input"]["device_bytes"]
     assert {w["name"] for w in past["walls"]} == {"liger_rms_norm_int32", "flash_attention_2_int32"}
     assert all(w["first_seq_len"] == 524_288 and w["source"] for w in past["walls"])
 

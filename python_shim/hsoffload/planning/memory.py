@@ -58,35 +58,30 @@ import dataclasses
 import math
 from typing import Any, Optional
 
-from ..options import BY_NAME, PolicyName
+from ..options import PolicyName
+from .settings import SETTINGS, PlanError  # noqa: F401  (PlanError: its old home; the table's allowed values)
+from .settings import OPTIMIZERS as OPTIMIZER_NAMES
+from . import adapters
 
 F32 = 4
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash", "math", "eager")
-# Optimizer state per parameter: bytes, or None for "two moments in the parameter's dtype" (torch.optim.AdamW on
-# bf16 parameters without float32 master weights).
-# "adamw_master": DeepSpeed's bf16/fp16 mixed precision on the device: float32 master weights beside the two moments.
+# Optimizer state per trainable parameter, by the table's optimizer names (hsoffload.planning.settings): bytes, or
+# None for "two moments in the parameter's dtype" (torch.optim.AdamW on bf16 parameters without float32 master
+# weights). "adamw_master": DeepSpeed's bf16/fp16 mixed precision on the device: float32 master weights beside the two
+# moments. bitsandbytes' 8-bit AdamW: two uint8 moments and, per block of BNB_OPTIMIZER_BLOCK, one float32 absmax per
+# moment (`optimizer_state_bytes`); its paged variants keep their states in CUDA unified memory (`paged`).
 OPTIMIZERS: dict[str, Optional[int]] = {"adamw": 8, "adam": 8, "adamw_master": 12, "adamw_param_dtype": None,
-                                        "adamw8bit": 2, "sgd": 0,
+                                        "adamw_8bit": 2, "paged_adamw_8bit": 2, "paged_adamw_32bit": 8, "sgd": 0,
                                         "sgd_momentum": 4}
-OFFLOAD_POLICIES = tuple(p.value for p in PolicyName if not p.chooses_per_layer)  # the memory model's
-# Model states on the host: "optimizer" (optimizer states, float32 master weights and float32 gradients there, the
-# step on the CPU: ZeRO-Offload's offload_optimizer), "params" (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3
-# offload_param; the device holds only the layers gathered for compute).
-CPU_OFFLOAD = ("none", "optimizer", "params")
-# Fused kernels that change what is saved: "liger" (Liger's RMSNorm, SwiGLU and fused linear cross-entropy, as TRL's
-# use_liger_kernel or Axolotl's liger_* keys turn them on).
-FUSED_KERNELS = ("none", "liger")
-# Sequence parallelism: "ulysses" (DeepSpeed Ulysses / ALST: all-to-all to whole sequences for heads / D heads),
+assert set(OPTIMIZERS) == set(OPTIMIZER_NAMES), "memory.OPTIMIZERS must cover settings.OPTIMIZERS"
+# The allowed values of the settings below live in the planner's table (hsoffload.planning.settings).
+# cpu_offload: "optimizer" (optimizer states, float32 master weights and float32 gradients on the host,
+# the step on the CPU: ZeRO-Offload's offload_optimizer), "params" (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3
+# offload_param; the device holds only the layers gathered for compute). fused_kernels "liger": Liger's RMSNorm,
+# SwiGLU and fused linear cross-entropy, as TRL's use_liger_kernel or Axolotl's liger_* keys turn them on.
+# sequence_parallel_kind: "ulysses" (DeepSpeed Ulysses / ALST: all-to-all to whole sequences for heads / D heads),
 # "ring" (ring attention, torch's context parallel: each rank keeps its queries and passes key/value chunks round).
-SEQUENCE_PARALLEL_KINDS = ("ulysses", "ring")
-# How an MoE block runs its routed experts (transformers' `experts_implementation`): "grouped_mm" (transformers 5.x's
-# default: tokens sorted by expert, one grouped GEMM per projection) or "eager" (a loop over the experts hit, as in
-# transformers 4.x and 5.x's "eager").
-EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")
-
-
-class PlanError(ValueError):
-    """A config or setting the planner cannot model; the message is one line naming what and why."""
+# experts_implementation (transformers'): "grouped_mm" (5.x's default: tokens sorted by expert, one grouped GEMM per
+# projection) or "eager" (a loop over the experts hit, as in transformers 4.x and 5.x's "eager").
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +109,37 @@ class ModelShape:
     text_model_type: str = ""  # the decoder's own model_type (the text part's for multimodal configs)
     routing_weights_float32: bool = True  # the router hands the experts float32 weights (see ROUTING_IN_MODEL_DTYPE)
     router_input_float32: bool = False  # the router saves a float32 copy of its input (ROUTER_INPUT_FLOAT32)
+    # Carried for building the model (hsoffload.tools): memory depends on neither.
+    max_positions: int = 4096
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def llama(cls, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int, layers: int,
+              max_positions: int = 4096, rope_theta: float = 10000.0) -> "ModelShape":
+        """A Llama decoder's shape (untied head, head_dim = hidden / heads)."""
+        return cls(model_type="llama", layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
+                   kv_heads=kv_heads, head_dim=hidden // heads, vocab=vocab, tied_embeddings=False,
+                   text_model_type="llama", max_positions=max_positions, rope_theta=rope_theta)
+
+    def to_config(self) -> dict[str, Any]:
+        """The transformers config.json fields of this shape (`shape_from_config`'s inverse for the dense and MoE
+        decoders it reads: the MoE layers last, Qwen3-MoE's keys)."""
+        cfg: dict[str, Any] = {
+            "model_type": self.text_model_type or self.model_type, "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate, "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab, "tie_word_embeddings": self.tied_embeddings,
+            "max_position_embeddings": self.max_positions, "rope_theta": self.rope_theta,
+        }
+        if self.attention_bias:
+            cfg["attention_bias"] = True
+        if self.experts:
+            cfg.update(num_experts=self.experts, num_experts_per_tok=self.experts_per_token,
+                       moe_intermediate_size=self.expert_intermediate,
+                       mlp_only_layers=list(range(self.layers - self.moe_layers)))
+            if self.shared_expert_intermediate:
+                cfg["shared_expert_intermediate_size"] = self.shared_expert_intermediate
+        return cfg
 
     @property
     def dense_layers(self) -> int:
@@ -239,37 +265,19 @@ def shape_from_config(data: dict[str, Any], source: str = "config") -> ModelShap
         shared_expert_intermediate=shared_inter, moe_layers=moe_layers, text_model_type=text_type,
         routing_weights_float32=text_type.removesuffix("_text") not in ROUTING_IN_MODEL_DTYPE,
         router_input_float32=text_type.removesuffix("_text") in ROUTER_INPUT_FLOAT32,
+        max_positions=_int(cfg, "max_position_embeddings", default=4096) or 4096,
+        rope_theta=float(cfg.get("rope_theta") or 10000.0),
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """How the step runs on each rank (validated by `check`)."""
+class _SetupRules:
+    """What the planner's `Setup` knows beyond its fields: derived quantities and the checks that need the model or
+    several settings at once (each value alone was checked when its PlanInput was made)."""
 
-    seq_len: int
-    micro_batch: int = 1
-    grad_accum: int = 1  # micro-batches per optimizer step (the step time; memory does not depend on it)
-    dtype_bytes: int = 2
-    world_size: int = 1
-    fsdp: bool = True  # shard weights, gradients and optimizer states over world_size
-    sequence_parallel: int = 1
-    tiled_mlp: int = 1
-    chunked_loss: bool = False
-    attn: str = "sdpa"
-    checkpointing: bool = True
-    offload: Optional[str] = BY_NAME["policy"].default.value  # None: no hsoffload; else one of OFFLOAD_POLICIES
-    keep_last_layers: int = BY_NAME["keep_last_layers"].default
-    prefetch_depth: int = BY_NAME["prefetch_depth"].default
-    optimizer: str = "adamw"
-    selective_checkpointing: bool = False  # a SAC policy keeps the projections' outputs (policy "sac" offloads them)
-    cpu_offload: str = "none"  # one of CPU_OFFLOAD
-    fused_kernels: str = "none"  # one of FUSED_KERNELS ("liger" implies chunked_loss: its fused linear cross-entropy)
-    sequence_parallel_kind: str = "ulysses"  # one of SEQUENCE_PARALLEL_KINDS
-    experts_implementation: str = "grouped_mm"  # one of EXPERTS_IMPLEMENTATIONS (MoE models only)
-    share_copies: bool = BY_NAME["share_copies"].default  # saves of one tensor by several ops share one host copy
-    # The batches carry an attention mask (padding, packed documents): SDPA then runs its memory-efficient kernel with
-    # the mask instead of the causal path (its wall: hsoffload.planning.walls). Its bytes are not modelled.
-    attention_mask: bool = False
+    def __post_init__(self) -> None:
+        policy = getattr(self, "policy")
+        if policy is not None and not isinstance(policy, PolicyName):
+            object.__setattr__(self, "policy", PolicyName.parse(policy))
 
     @property
     def liger(self) -> bool:
@@ -293,10 +301,18 @@ class Setup:
     def shards(self) -> int:
         return self.world_size if self.fsdp and self.world_size > 1 else 1
 
+    @property
+    def frozen_base(self) -> bool:
+        """An adapter run (LoRA, QLoRA): the base weights train not, only the adapters."""
+        return self.adapter != "none"
+
+    @property
+    def paged(self) -> bool:
+        """bitsandbytes' paged optimizer: its states in CUDA unified memory, paged in for the step."""
+        return self.optimizer.startswith("paged_")
+
     def check(self, shape: ModelShape) -> None:
-        for name in ("seq_len", "micro_batch", "grad_accum", "world_size", "sequence_parallel", "tiled_mlp"):
-            if getattr(self, name) < 1:
-                raise PlanError(f"hsoffload plan: --{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        """What several settings or the model decide together (PlanError naming the flags and the fix)."""
         if self.seq_len % self.sequence_parallel:
             raise PlanError(f"hsoffload plan: --seq-len {self.seq_len} is not divisible by --sequence-parallel "
                             f"{self.sequence_parallel}")
@@ -304,39 +320,17 @@ class Setup:
             raise PlanError(f"hsoffload plan: --sequence-parallel {self.sequence_parallel} needs at least that many "
                             f"ranks, got --world-size {self.world_size}")
         self.check_sequence_parallel(shape)
-        for name, value, allowed in (("cpu_offload", self.cpu_offload, CPU_OFFLOAD),
-                                     ("fused_kernels", self.fused_kernels, FUSED_KERNELS),
-                                     ("sequence_parallel_kind", self.sequence_parallel_kind,
-                                      SEQUENCE_PARALLEL_KINDS),
-                                     ("experts_implementation", self.experts_implementation,
-                                      EXPERTS_IMPLEMENTATIONS)):
-            if value not in allowed:
-                raise PlanError(f"hsoffload plan: --{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
-                                f"got {value!r}")
         if self.liger and not self.chunked_loss:
             raise PlanError("hsoffload plan: --fused-kernels liger includes Liger's fused linear cross-entropy: "
                             "it needs chunked_loss (set by the CLI)")
-        if self.attn not in ATTENTION_IMPLEMENTATIONS:
-            raise PlanError(f"hsoffload plan: --attn must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got "
-                            f"{self.attn!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise PlanError(f"hsoffload plan: --optimizer must be one of {', '.join(OPTIMIZERS)}, got "
-                            f"{self.optimizer!r}")
-        if self.offload is not None and self.offload not in OFFLOAD_POLICIES:
-            raise PlanError(f"hsoffload plan: --policy must be one of {', '.join(OFFLOAD_POLICIES)}, got "
-                            f"{self.offload!r}")
+        if self.policy is not None and self.policy.chooses_per_layer:
+            raise PlanError("hsoffload plan: the memory model takes a policy per step, not auto (plan.setup_of "
+                            "resolves it)")
         if self.policy is not None and self.policy.marks_layer_inputs and not self.checkpointing:
-            raise PlanError(f"hsoffload plan: policy {self.offload!r} offloads what checkpointing keeps; with "
+            raise PlanError(f"hsoffload plan: policy {self.policy.value!r} offloads what checkpointing keeps; with "
                             "--no-checkpointing use --policy all")
-        if self.keep_last_layers < 0 or self.prefetch_depth < 0:
-            raise PlanError("hsoffload plan: --keep-last-layers and --prefetch-depth must be >= 0")
         if self.tiled_mlp > self.tokens:
             raise PlanError(f"hsoffload plan: --tiled-mlp {self.tiled_mlp} exceeds the {self.tokens} tokens per rank")
-
-    @property
-    def policy(self) -> Optional[PolicyName]:
-        """The offload policy (None: no hsoffload); what it does is asked of it, never compared by name."""
-        return None if self.offload is None else PolicyName.parse(self.offload)
 
     def check_sequence_parallel(self, shape: ModelShape) -> None:
         """Ulysses gives each rank heads / D whole heads: D must divide the attention heads, and the key/value heads
@@ -364,6 +358,28 @@ class Setup:
                             f"--sequence-parallel-kind ring")
 
 
+# The planner's Setup: how the step runs on each rank. Its fields are the table's settings that the step's model reads
+# (hsoffload.planning.settings, `step=True`), under their names, plus what the planner derives from the others:
+# `policy` is resolved (None: no hsoffload; never "auto", whose figures are its leanest choice's), `dtype_bytes` is
+# the dtype's, and `selective_checkpointing` says a SAC policy keeps the projections' outputs.
+STEP_SETTINGS = tuple(s for s in SETTINGS if s.step)
+Setup = dataclasses.make_dataclass(
+    "Setup",
+    [s.field() for s in STEP_SETTINGS if s.default is dataclasses.MISSING]
+    + [s.field() for s in STEP_SETTINGS if s.default is not dataclasses.MISSING]
+    + [("dtype_bytes", int, dataclasses.field(default=2)),
+       ("selective_checkpointing", bool, dataclasses.field(default=False))],
+    bases=(_SetupRules,), frozen=True,
+    namespace={"__doc__": "How the step runs on each rank: the step's settings of a PlanInput, resolved (`setup_of`)."},
+)
+Setup.__module__ = __name__
+
+
+def setup_from(inp: Any, **derived: Any) -> Any:
+    """The Setup of a (resolved) PlanInput: its step settings by name, and the derived fields given (over those)."""
+    return Setup(**{**{s.name: getattr(inp, s.name) for s in STEP_SETTINGS}, **derived})
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Model states
 
@@ -373,52 +389,82 @@ def root_parameters(shape: ModelShape) -> int:
     return shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) + shape.hidden
 
 
+def _moe_flags(shape: ModelShape) -> list[bool]:
+    return [is_moe_layer(shape, i) for i in range(shape.layers)]
+
+
+def _trainable(shape: ModelShape, s: Setup) -> int:
+    """Parameters the optimizer updates: all of them, or an adapter run's adapters (hsoffload.planning.adapters)."""
+    return adapters.trainable_parameters(shape, s, _moe_flags(shape))
+
+
+def base_weights_bytes(shape: ModelShape, s: Setup) -> int:
+    """Every weight, unsharded: in the dtype; an adapter run's frozen base (QLoRA: its decoder linears in nf4) and
+    its float32 adapters."""
+    if not s.frozen_base:
+        return shape.parameters() * s.dtype_bytes
+    return (root_parameters(shape) * s.dtype_bytes
+            + sum(adapters.layer_weight_bytes(shape, s, moe) for moe in _moe_flags(shape)))
+
+
 def weights_bytes(shape: ModelShape, s: Setup) -> int:
     """The parameters on the device, in the training dtype: this rank's shard; with the weights on the host
     (cpu_offload "params") only the root module's (embedding, head, final norm), which FSDP2 keeps gathered from the
-    root's forward to its backward (the decoder layers' are counted in `fsdp_gathered_bytes`)."""
+    root's forward to its backward (the decoder layers' are counted in `fsdp_gathered_bytes`). An adapter run:
+    the frozen base (QLoRA's in nf4) and the float32 adapters."""
     if s.params_on_host:
         return root_parameters(shape) * s.dtype_bytes
-    return shape.parameters() * s.dtype_bytes // s.shards
+    return base_weights_bytes(shape, s) // s.shards
 
 
 def gradients_bytes(shape: ModelShape, s: Setup) -> int:
-    """Every parameter's gradient on the device (this rank's shard), as at the optimizer step. With the optimizer on
-    the host the gradients are still made on the device and copied out from there (counted, an upper bound:
-    ZeRO-Offload streams them out in buckets during backward); with the weights on the host each layer's gradient
-    leaves right after its reduce-scatter (0 here; `fsdp_unsharded_gradient_bytes` counts the one in flight)."""
+    """Every trainable parameter's gradient on the device (this rank's shard), as at the optimizer step: all of
+    them, or an adapter run's adapters' (float32; the frozen base has none). With the optimizer on the host the
+    gradients are still made on the device and copied out from there (counted, an upper bound: ZeRO-Offload streams
+    them out in buckets during backward); with the weights on the host each layer's gradient leaves right after its
+    reduce-scatter (0 here; `fsdp_unsharded_gradient_bytes` counts the one in flight)."""
     if s.params_on_host:
         return 0
-    return shape.parameters() * s.dtype_bytes // s.shards
+    return _trainable(shape, s) * adapters.trainable_bytes_per_parameter(s) // s.shards
 
 
 def optimizer_state_bytes(shape: ModelShape, s: Setup) -> int:
-    """Optimizer states on the device (AdamW: two float32 moments per parameter), this rank's shard; 0 when they
-    live on the host."""
-    if s.states_on_host:
+    """Optimizer states on the device (AdamW: two float32 moments per trainable parameter), this rank's shard; 0
+    when they live on the host, or in a paged optimizer's unified memory (`model_states_host_bytes`)."""
+    if s.states_on_host or s.paged:
         return 0
-    return shape.parameters() * _state_bytes_per_parameter(s) // s.shards
+    return _optimizer_states(shape, s, _trainable(shape, s)) // s.shards
 
 
 def _state_bytes_per_parameter(s: Setup) -> int:
     per = OPTIMIZERS[s.optimizer]
-    return 2 * s.dtype_bytes if per is None else per
+    return 2 * adapters.trainable_bytes_per_parameter(s) if per is None else per
+
+
+def _optimizer_states(shape: ModelShape, s: Setup, parameters: int) -> int:
+    return adapters.optimizer_states_of(parameters, _state_bytes_per_parameter(s), s)
 
 
 def optimizer_step_bytes(shape: ModelShape, s: Setup) -> int:
     """Temporaries of the update: torch's foreach AdamW allocates one moment-sized tensor list (sqrt(v) + eps);
-    none on the device when the step runs on the host (the updated weights are copied back in place)."""
+    none on the device when the step runs on the host (the updated weights are copied back in place), none for
+    bitsandbytes' fused 8-bit update; a paged optimizer's step pages in the states of the tensor it updates (the
+    largest counted)."""
     if s.states_on_host:
         return 0
+    if s.paged:
+        return _optimizer_states(shape, s, adapters.largest_trainable_tensor(shape, s))
+    if s.optimizer.endswith("_8bit"):
+        return 0
     moment = F32 if s.optimizer == "adamw_master" else _state_bytes_per_parameter(s) // 2
-    return shape.parameters() * moment // s.shards
+    return _trainable(shape, s) * moment // s.shards
 
 
 def host_state_bytes_per_parameter(s: Setup) -> int:
-    """Pinned host bytes per parameter with model states on the host (DeepSpeed's accounting): the optimizer states,
-    float32 gradients and float32 master weights (the weights themselves in a float32 run); with cpu_offload "params"
-    also the weights in a narrower training dtype (ZeRO-3 offload_param keeps them; FSDP2's CPUOffloadPolicy casts
-    the float32 shard at the all-gather instead: 2 B less per parameter in bf16)."""
+    """Pinned host bytes per trainable parameter with model states on the host (DeepSpeed's accounting): the
+    optimizer states, float32 gradients and float32 master weights (the weights themselves in a float32 run); with
+    cpu_offload "params" also the weights in a narrower training dtype (ZeRO-3 offload_param keeps them; FSDP2's
+    CPUOffloadPolicy casts the float32 shard at the all-gather instead: 2 B less per parameter in bf16)."""
     if not s.states_on_host:
         return 0
     master = 0 if s.optimizer == "adamw_master" else F32  # counted in its states already
@@ -429,8 +475,16 @@ def host_state_bytes_per_parameter(s: Setup) -> int:
 
 
 def model_states_host_bytes(shape: ModelShape, s: Setup) -> int:
-    """This rank's model states in (pinned) host memory: its shard of every parameter's host bytes."""
-    return shape.parameters() * host_state_bytes_per_parameter(s) // s.shards
+    """This rank's model states in host memory: its shard of every trainable parameter's host bytes (pinned), an
+    adapter run's frozen base too with cpu_offload "params", and a paged optimizer's states (unified memory, which
+    the driver evicts to the host)."""
+    trainable = _trainable(shape, s)
+    out = trainable * host_state_bytes_per_parameter(s)
+    if s.frozen_base and s.params_on_host:
+        out += base_weights_bytes(shape, s)
+    if s.paged and not s.states_on_host:
+        out += _optimizer_states(shape, s, trainable)
+    return out // s.shards
 
 
 def model_states_device_bytes(shape: ModelShape, s: Setup) -> int:
@@ -443,25 +497,37 @@ def fsdp_gathered_bytes(shape: ModelShape, s: Setup) -> int:
     (weights in the training dtype)."""
     if s.shards == 1 and not s.params_on_host:
         return 0
+    if s.frozen_base:
+        return 2 * max(adapters.layer_weight_bytes(shape, s, moe) for moe in set(_moe_flags(shape)))
     return 2 * shape.largest_layer_parameters() * s.dtype_bytes
 
 
 def fsdp_unsharded_gradient_bytes(shape: ModelShape, s: Setup) -> int:
     """Under FSDP, or with the weights on the host: one layer's full gradients before their reduce-scatter (and,
     with the weights on the host, before their copy out)."""
-    return shape.largest_layer_parameters() * s.dtype_bytes if s.shards > 1 or s.params_on_host else 0
+    if s.shards == 1 and not s.params_on_host:
+        return 0
+    if s.frozen_base:
+        return max(adapters.lora_layer_parameters(shape, s, moe) for moe in set(_moe_flags(shape))) * \
+            adapters.ADAPTER_BYTES
+    return shape.largest_layer_parameters() * s.dtype_bytes
 
 
 def layer_gradient_bytes(shape: ModelShape, s: Setup, moe: bool) -> int:
     """One layer's gradients kept on the device until the optimizer step (0 with the weights on the host)."""
     if s.params_on_host:
         return 0
+    if s.frozen_base:
+        return adapters.lora_layer_parameters(shape, s, moe) * adapters.ADAPTER_BYTES // s.shards
     return shape.layer_parameters(moe) * s.dtype_bytes // s.shards
 
 
 def head_gradient_bytes(shape: ModelShape, s: Setup) -> int:
     """Gradients of the output head and final norm (made in head backward; the embedding's come last); with the
-    weights on the host the root's are whole (its parameters are gathered) until they are copied out."""
+    weights on the host the root's are whole (its parameters are gathered) until they are copied out. An adapter
+    run's head is frozen: none."""
+    if s.frozen_base:
+        return 0
     if s.params_on_host:
         return (shape.vocab * shape.hidden + shape.hidden) * s.dtype_bytes
     return (shape.vocab * shape.hidden + shape.hidden) * s.dtype_bytes // s.shards
@@ -736,7 +802,9 @@ def grouped_mm_backward_transient_bytes(shape: ModelShape, s: Setup) -> int:
     (one micro-batch per step, gradients set to None: the step's general assumption)."""
     routed = s.tokens * shape.experts_per_token // max(1, s.tiled_mlp)
     b = s.dtype_bytes
-    expert_gradients = 3 * shape.experts * shape.hidden * shape.expert_intermediate * b // s.shards
+    # An adapter run's experts are frozen: no gradients of theirs
+    expert_gradients = (0 if s.frozen_base
+                        else 3 * shape.experts * shape.hidden * shape.expert_intermediate * b // s.shards)
     down_end = 3 * routed * shape.hidden * routing_weight_bytes(shape, s) + mlp_chunk_bytes(shape, s, True)
     gated = (routed * (2 * shape.expert_intermediate - shape.hidden) * b + mlp_chunk_bytes(shape, s, True)
              + expert_gradients // 3)
@@ -914,7 +982,7 @@ class Phase:
 def _device_layers(s: Setup, layers: int, upto: int, in_backward: bool) -> list[int]:
     """Indices of layers < `upto` (forward) or <= `upto` (backward) whose held bytes are on the device."""
     idx = range(upto + 1) if in_backward else range(upto)
-    if s.offload is None:
+    if s.policy is None:
         return list(idx)
     kept = set(range(layers - s.keep_last_layers, layers))
     # Backward: the layer in backward and `prefetch_depth` restored ahead. Forward: none (copies keep up with

@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from .memory import ModelShape, PlanError, Setup, peak
+from .memory import ModelShape, Setup, peak
+from .settings import FRAGMENTATION, PlanError  # the caching allocator's reserved-but-unallocated share of the peak
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -23,7 +24,6 @@ CUBLAS_WORKSPACE = 32 * MIB  # torch's cuBLAS workspace per handle on Hopper (4,
 CUBLAS_HANDLES = 2  # the forward thread's and autograd's backward device thread's
 NCCL_COMMUNICATOR = 1_060_000_000  # one communicator's buffers before an all-to-all (NVIDIA/nccl #1685: 1.06 GB)
 NCCL_ALL_TO_ALL = 4_340_000_000  # the same communicator after its first all-to-all on 8 x H100 (#1685: 4.34 GB)
-FRAGMENTATION = 0.05  # the caching allocator's reserved-but-unallocated share of the peak ("a few %")
 # DeepSpeed's defaults when a ZeRO-3 config leaves them unset (deepspeed/runtime/zero/config.py), in elements.
 ZERO3_REDUCE_BUCKET = 500_000_000
 ZERO3_PREFETCH_BUCKET = 50_000_000
@@ -31,17 +31,11 @@ ZERO3_PREFETCH_BUCKET = 50_000_000
 
 @dataclasses.dataclass(frozen=True)
 class Overhead:
-    """How the process's overhead is counted for one plan (from PlanInput)."""
+    """How the process's overhead is counted for one plan (from PlanInput, checked there)."""
 
     fixed_bytes: Optional[int] = None  # --overhead-gib: replaces the fixed terms' sum
     fragmentation: float = FRAGMENTATION
     zero3_bucket_elements: int = 0  # ZeRO-3's reduce and prefetch buckets (0: no ZeRO-3 config given)
-
-    def __post_init__(self) -> None:
-        if self.fixed_bytes is not None and self.fixed_bytes < 0:
-            raise PlanError("hsoffload plan: --overhead-gib must be >= 0")
-        if not 0.0 <= self.fragmentation < 1.0:
-            raise PlanError(f"hsoffload plan: --fragmentation must be in [0, 1), got {self.fragmentation}")
 
 
 def communicators(s: Setup) -> dict[str, int]:
@@ -88,8 +82,9 @@ def zero3_bucket_elements(path: str, hidden: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Budget:
-    """One device's memory against what a process reserves: the tensors' peak plus the overhead terms."""
+class DeviceFit:
+    """Whether a setup fits one device: its memory against what the process reserves (the tensors' peak plus the
+    overhead terms). Not a budget: `device_budget` is policy auto's knob (hsoffload.options)."""
 
     device_bytes: int
     overhead: Overhead = Overhead()

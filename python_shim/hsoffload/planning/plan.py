@@ -26,18 +26,20 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import choose, options
-from ..options import AUTO_HOST_BUDGET_FRACTION, PolicyName
+from ..options import PolicyName
 from . import memory as pm
-from . import overhead, timing, walls
-from .overhead import Budget, Overhead
-from .memory import PlanError
+from . import adapters, band, overhead, timing, walls
+from .overhead import DeviceFit, Overhead
+from .band import CANNOT_JUDGE
+from .host import (HOST_STATES_FRACTION, HostSide, host_advice, host_limit, host_side,  # noqa: F401
+                   offloaded_bytes_per_rank)
+from .report import advice, format_max_seq, format_plan  # noqa: F401  (the planner's public names)
+from .settings import PlanError
 from .shapes import PLAN_FORMAT_VERSION, AutoPlan, Fastest, LongestRun, MaxSeqResult, MaxSeqRow, PlanInput, PlanResult  # noqa: F401
 
 logger = logging.getLogger("hsoffload")
 
 _DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_GIB = float(1 << 30)
-PLAN_POLICIES = pm.OFFLOAD_POLICIES + (PolicyName.AUTO.value,)
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -138,71 +140,54 @@ def default_experts_implementation(text_model_type: str) -> str:
     return "grouped_mm"
 
 
-def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
-    """The validated Setup for `inp` (PlanError on what cannot work)."""
-    if inp.dtype not in _DTYPES:
-        raise PlanError(f"hsoffload plan: --dtype must be one of {', '.join(_DTYPES)}, got {inp.dtype!r}")
-    # The default policy: the table's with checkpointing; without it only "all" has something to offload.
+def resolve(inp: PlanInput, shape: pm.ModelShape) -> PlanInput:
+    """`inp` with what it leaves to the planner decided: the policy (the table's default with checkpointing; without
+    it only "all" has something to offload), the experts' implementation (None for a dense model), the chunked loss
+    Liger's fused cross-entropy is, the last layers kept (at most all), ranks per node, the device's and the host's
+    memory, the torch the walls are read for. What a result embeds as its input."""
     policy = inp.policy or (options.default("policy") if inp.checkpointing else PolicyName.ALL).value
-    if policy not in PLAN_POLICIES:
-        raise PlanError(f"hsoffload plan: --policy must be one of {', '.join(PLAN_POLICIES)}, got {policy!r}")
-    if PolicyName(policy).chooses_per_layer:
+    experts = (inp.experts_implementation or default_experts_implementation(shape.text_model_type)
+               if shape.moe_layers else None)
+    return dataclasses.replace(
+        inp, policy=policy, experts_implementation=experts,
+        chunked_loss=inp.chunked_loss or inp.fused_kernels == "liger",
+        keep_last_layers=min(inp.keep_last_layers, shape.layers),
+        local_world_size=inp.local_world_size or min(inp.world_size, 8),
+        device_bytes=inp.device_bytes if inp.device_bytes is not None else default_device_bytes(),
+        host_ram_bytes=inp.host_ram_bytes if inp.host_ram_bytes is not None else _mem_available(),
+        torch_version=inp.torch_version or walls.installed_torch_version(),
+    )
+
+
+def setup_of(inp: PlanInput, shape: pm.ModelShape) -> pm.Setup:
+    """The planner's Setup of `inp` (resolved first: resolving a resolved input changes nothing): its step settings
+    by name; policy auto as its leanest choice (every layer offloaded: the decision is `auto_decision`'s). PlanError
+    on what cannot work."""
+    inp = resolve(inp, shape)
+    policy = PolicyName(inp.policy)
+    if policy.chooses_per_layer:
         if not inp.checkpointing:
             raise PlanError("hsoffload plan: --policy auto chooses per layer whether to checkpoint: drop "
                             "--no-checkpointing")
-        policy = PolicyName.HIDDEN_STATES.value  # the plan's figures: its leanest choice; the decision: auto_decision
-    setup = pm.Setup(
-        seq_len=inp.seq_len, micro_batch=inp.micro_batch, grad_accum=inp.grad_accum, dtype_bytes=_DTYPES[inp.dtype], world_size=inp.world_size,
-        fsdp=inp.fsdp, sequence_parallel=inp.sequence_parallel, tiled_mlp=inp.tiled_mlp,
-        chunked_loss=inp.chunked_loss, attn=inp.attn, checkpointing=inp.checkpointing,
-        offload=policy,  # "all" with checkpointing offloads the checkpoint inputs (what remains saved)
-        keep_last_layers=min(inp.keep_last_layers, shape.layers) if inp.keep_last_layers >= 0 else inp.keep_last_layers,
-        prefetch_depth=inp.prefetch_depth, optimizer=inp.optimizer, selective_checkpointing=PolicyName(policy).offloads_sac_saves,
-        cpu_offload=inp.cpu_offload, fused_kernels=inp.fused_kernels,
-        sequence_parallel_kind=inp.sequence_parallel_kind, share_copies=inp.share_copies,
-        attention_mask=inp.attention_mask,
-        experts_implementation=(inp.experts_implementation
-                                or (default_experts_implementation(shape.text_model_type) if shape.moe_layers
-                                    else "grouped_mm")),
-    )
-    if setup.fused_kernels == "liger":  # Liger's fused linear cross-entropy is a chunked loss of Liger's size
-        setup = dataclasses.replace(setup, chunked_loss=True)
+        policy = PolicyName.HIDDEN_STATES
+    setup = pm.setup_from(inp, policy=policy, dtype_bytes=_DTYPES[inp.dtype],
+                          selective_checkpointing=policy.offloads_sac_saves)
     setup.check(shape)
     return setup
 
 
-_SEQUENCE_PARALLEL_KINDS = {"ulysses": "Ulysses all-to-all", "ring": "ring key/value chunks"}
-_CPU_OFFLOAD = {"optimizer": "optimizer states on the host", "params": "model states on the host"}
+def unmodelled(inp: PlanInput, shape: pm.ModelShape) -> list[str]:
+    """What `inp` sets that changes memory and the planner cannot count, by key: the verdict is then "cannot judge"
+    (never a refusal). The keys the input names (`unmodelled`, from a user's files), sample packing without
+    flash-attention's varlen kernel (the packed rows' block-diagonal masks), LoRA on MoE experts, a 4-bit MoE base."""
+    out = list(inp.unmodelled)
+    if inp.sample_packing and inp.attn != "flash":
+        out.append(f"sample_packing (with --attn {inp.attn}: each packed row's block-diagonal mask is not modelled; "
+                   "--attn flash runs packed sequences without one)")
+    return out + adapters.unmodelled_adapter_targets(shape, inp)
 
-# The parts of a phase, as the text names them.
-_PART_NAMES = {
-    "weights": "weights",
-    "gradients": "gradients",
-    "optimizer_states": "optimizer states",
-    "optimizer_update": "optimizer update temporaries",
-    "fsdp_gathered_layers": "FSDP-gathered layers",
-    "held_for_backward": "held for backward",
-    "attention_mask": "attention mask",
-    "layer_working_set": "one layer's forward/recompute + backward working set",
-    "final_norm": "final norm",
-    "logits": "logits",
-    "logits_float32": "logits in float32",
-    "log_probs": "loss log-probabilities (float32)",
-    "logits_gradients": "logits' gradients",
-    "chunked_loss": "chunked loss (one chunk, head gradient)",
-}
+
 _LOGIT_PARTS = ("logits", "logits_float32", "log_probs", "logits_gradients")
-_OVERHEAD_NAMES = {
-    "cuda_context": "CUDA context",
-    "cublas_workspaces": "cuBLAS workspaces",
-    "nccl_data_parallel": "NCCL communicator (data parallel: gathers or all-reduce)",
-    "nccl_sequence_parallel": "NCCL communicator (sequence parallelism)",
-    "zero3_buckets": "ZeRO-3 reduce and prefetch buckets",
-    "overhead_given": "overhead (--overhead-gib)",
-    "fragmentation": "allocator fragmentation margin",
-}
-
-
 def _peak_summary(shape: pm.ModelShape, setup: pm.Setup) -> tuple[pm.Phase, str, int]:
     """The peak phase, its dominant term (logit parts summed as "logits") and that term's bytes."""
     phase = pm.peak(shape, setup)
@@ -221,7 +206,7 @@ def device_profile_of(inp: PlanInput) -> timing.DeviceProfile:
 
 def offloaded_layer_bytes(shape: pm.ModelShape, s: pm.Setup) -> list[int]:
     """What each layer copies to the host and back under `s` (0 for kept layers and without hsoffload)."""
-    if s.offload is None:
+    if s.policy is None:
         return [0] * shape.layers
     held = [pm.held_per_layer_bytes(shape, s, pm.is_moe_layer(shape, i)) for i in range(shape.layers)]
     return [b if i < shape.layers - s.keep_last_layers else 0 for i, b in enumerate(held)]
@@ -258,7 +243,7 @@ def _knob_changes(shape: pm.ModelShape, s: pm.Setup) -> list[tuple[str, dict[str
     if s.tiled_mlp < tiles:
         out.append((f"a tiled MLP (--tiled-mlp {tiles})", {"tiled_mlp": tiles}))
     if not s.checkpointing:
-        out.append(("checkpointing with hsoffload", {"checkpointing": True, "offload": options.default("policy").value}))
+        out.append(("checkpointing with hsoffload", {"checkpointing": True, "policy": options.default("policy").value}))
     for d in _parallel_degrees(shape, s):
         out.append((f"sequence parallelism {d} (--sequence-parallel {d})", {"sequence_parallel": d}))
     if s.world_size > 1 and not s.fsdp:
@@ -270,7 +255,7 @@ def _knob_changes(shape: pm.ModelShape, s: pm.Setup) -> list[tuple[str, dict[str
     return out
 
 
-def suggest(shape: pm.ModelShape, s: pm.Setup, budget: Budget) -> list[str]:
+def suggest(shape: pm.ModelShape, s: pm.Setup, fit: DeviceFit) -> list[str]:
     """What would make `s` fit: single knob changes that do, else the first combination (greedy) that does."""
     single = []
     for label, change in _knob_changes(shape, s):
@@ -279,7 +264,7 @@ def suggest(shape: pm.ModelShape, s: pm.Setup, budget: Budget) -> list[str]:
             candidate.check(shape)
         except PlanError:
             continue
-        if budget.fits(shape, candidate):
+        if fit.fits(shape, candidate):
             single.append(label)
     if single:
         return single
@@ -299,178 +284,139 @@ def suggest(shape: pm.ModelShape, s: pm.Setup, budget: Budget) -> list[str]:
             break
         combined = best[2]
         labels.append(best[1])
-        if budget.fits(shape, combined):
+        if fit.fits(shape, combined):
             return [" + ".join(labels)]
     return []
 
 
-def plan(inp: PlanInput) -> PlanResult:
-    """Will `inp` fit: the device peak and its terms, the host side, the copies' time, the verdict and fixes."""
-    shape = model_shape(inp.config)
-    setup = setup_of(inp, shape)
-    device_bytes = inp.device_bytes if inp.device_bytes is not None else default_device_bytes()
-    b = setup.dtype_bytes
-    layers, hidden = shape.layers, shape.hidden
-    local = inp.local_world_size or min(inp.world_size, 8)
-    tokens = setup.tokens
-    moe_flags = [pm.is_moe_layer(shape, i) for i in range(layers)]
-    ckpt_setup = dataclasses.replace(setup, checkpointing=True, offload=None)
-    held = [pm.held_per_layer_bytes(shape, setup, m) for m in moe_flags]
-    layer_input = held[0] if setup.checkpointing else tokens * hidden * b
-    kept_layers = setup.keep_last_layers
-    offloaded_per_rank = offloaded_bytes_per_rank(shape, setup)
-    host_ram = inp.host_ram_bytes if inp.host_ram_bytes is not None else _mem_available()
-    host = host_side(host_ram, pm.model_states_host_bytes(shape, setup) * local, offloaded_per_rank * local)
-    model_states = pm.model_states_device_bytes(shape, setup)
-    device_held_ckpt = sum(pm.held_per_layer_bytes(shape, ckpt_setup, m) for m in moe_flags)
-    window = min(layers, kept_layers + 1 + setup.prefetch_depth)
-    device_held_offload = window * layer_input
-
-    phase, dominant, dominant_bytes = _peak_summary(shape, setup)
-    peak_ckpt = pm.peak(shape, ckpt_setup).total
-    peak_none = pm.peak(shape, dataclasses.replace(setup, checkpointing=False, offload=None)).total
-    device = device_profile_of(inp)
-    step = timing.step_time(shape, setup, device, offloaded_layer_bytes(shape, setup), local)
-    step_ckpt = timing.step_time(shape, ckpt_setup, device, [0] * layers, local)
-    step_plain = timing.step_time(shape, dataclasses.replace(setup, offload=None), device, [0] * layers, local)
-    transfer_s = layer_input / timing.copy_bandwidth(device, local)
-    forward_s = step.parts["forward"] / layers
-    hides = transfer_s <= forward_s
-    budget = Budget(device_bytes, overhead_of(inp, shape))
-    overhead_terms = budget.terms(shape, setup, phase.total)
-    reserved = phase.total + sum(overhead_terms.values())
-    fits = reserved <= device_bytes
-    torch_version = inp.torch_version or walls.installed_torch_version()
-    hit = walls.met(shape, setup, torch_version)
-    if any(h.consequence == walls.SILENT for h in hit):
-        verdict = walls.SILENT
-    elif hit:
-        verdict = walls.CRASH
-    elif not fits or not host.states_fit:
-        verdict = "does not fit"
-    elif host.spill > 0:
-        verdict = "fits with spill"
-    else:
-        verdict = "fits"
-    fixes = [] if fits else suggest(shape, setup, budget)
-    if not fits:
-        why = advice(dominant, dominant_bytes, fixes)
-    elif not host.states_fit:
-        why = host_advice(host, setup)
-    else:
-        why = ""
-    if hit:  # a wall outranks memory: the run dies (or computes garbage) whatever the bytes
-        why = "; ".join(h.sentence() for h in hit) + (f"; also {why}" if why else "")
-    terms = {
+def _terms(shape: pm.ModelShape, setup: pm.Setup, moe_last: bool, held_first: int) -> dict[str, int]:
+    """One entry per term of hsoffload.planning.memory (the last layer's where a layer's)."""
+    return {
         "weights": pm.weights_bytes(shape, setup),
         "gradients": pm.gradients_bytes(shape, setup),
         "optimizer_states": pm.optimizer_state_bytes(shape, setup),
         "optimizer_update": pm.optimizer_step_bytes(shape, setup),
         "fsdp_gathered_layers": pm.fsdp_gathered_bytes(shape, setup),
-        "held_for_backward_per_layer": held[0],
-        "layer_saved": pm.layer_saved_bytes(shape, setup, moe_flags[-1]),
+        "held_for_backward_per_layer": held_first,
+        "layer_saved": pm.layer_saved_bytes(shape, setup, moe_last),
         "attention_saved": pm.attention_saved_bytes(shape, setup),
-        "mlp_saved": pm.mlp_saved_bytes(shape, setup, moe_flags[-1]),
-        "layer_backward": pm.layer_backward_bytes(shape, setup, moe_flags[-1]),
+        "mlp_saved": pm.mlp_saved_bytes(shape, setup, moe_last),
+        "layer_backward": pm.layer_backward_bytes(shape, setup, moe_last),
         "attention_mask": pm.attention_mask_bytes(shape, setup),
         "ulysses_buffers": pm.ulysses_buffer_bytes(shape, setup),
         "ring_buffers": pm.ring_buffer_bytes(shape, setup),
-        "moe_routing": pm.moe_routing_bytes(shape, setup, moe_flags[-1]),
+        "moe_routing": pm.moe_routing_bytes(shape, setup, moe_last),
         "logits": pm.logits_bytes(shape, setup),
         "head_saved": pm.head_saved_bytes(shape, setup),
         "head_forward": pm.head_forward_transient_bytes(shape, setup),
         "head_backward": pm.head_backward_transient_bytes(shape, setup),
         "embedding_output": pm.embedding_bytes(shape, setup),
     }
+
+
+def _verdict(hit: list[walls.WallHit], cannot: list[str], fits: bool, host: "HostSide") -> str:
+    """A wall outranks memory (the run dies or computes garbage whatever the bytes); a setting the planner cannot
+    model outranks its bytes."""
+    if any(h.consequence == walls.SILENT for h in hit):
+        return walls.SILENT
+    if hit:
+        return walls.CRASH
+    if cannot:
+        return CANNOT_JUDGE
+    if not fits or not host.states_fit:
+        return "does not fit"
+    return "fits with spill" if host.spill > 0 else "fits"
+
+
+def _advice(shape: pm.ModelShape, setup: pm.Setup, fit: DeviceFit, fits: bool, host: "HostSide",
+            dominant: str, dominant_bytes: int, hit: list[walls.WallHit], cannot: list[str]) -> tuple[list[str], str]:
+    """The fixes that would make the run fit and the advice sentence."""
+    fixes = [] if fits else suggest(shape, setup, fit)
+    why = advice(dominant, dominant_bytes, fixes) if not fits else host_advice(host, setup) if not host.states_fit \
+        else ""
+    if cannot:
+        why = f"the planner cannot model {'; '.join(cannot)}" + (f"; its figures otherwise: {why}" if why else "")
+    if hit:
+        why = "; ".join(h.sentence() for h in hit) + (f"; also {why}" if why else "")
+    return fixes, why
+
+
+def plan(inp: PlanInput) -> PlanResult:
+    """Will `inp` fit: the device peak and its terms, the host side, the copies' time, the verdict and fixes."""
+    shape = model_shape(inp.config)
+    inp = resolve(inp, shape)
+    setup = setup_of(inp, shape)
+    layers, local = shape.layers, inp.local_world_size
+    moe_flags = [pm.is_moe_layer(shape, i) for i in range(layers)]
+    ckpt_setup = dataclasses.replace(setup, checkpointing=True, policy=None)
+    held = [pm.held_per_layer_bytes(shape, setup, m) for m in moe_flags]
+    layer_input = held[0] if setup.checkpointing else pm.hidden_bytes(shape, setup)
+    offloaded_per_rank = offloaded_bytes_per_rank(shape, setup)
+    host = host_side(inp.host_ram_bytes, pm.model_states_host_bytes(shape, setup) * local, offloaded_per_rank * local)
+    phase, dominant, dominant_bytes = _peak_summary(shape, setup)
+    peak_ckpt = pm.peak(shape, ckpt_setup).total
+    device = device_profile_of(inp)
+    step = timing.step_time(shape, setup, device, offloaded_layer_bytes(shape, setup), local)
+    step_ckpt = timing.step_time(shape, ckpt_setup, device, [0] * layers, local)
+    step_plain = timing.step_time(shape, dataclasses.replace(setup, policy=None), device, [0] * layers, local)
+    transfer_s = layer_input / timing.copy_bandwidth(device, local)
+    fit = DeviceFit(inp.device_bytes, overhead_of(inp, shape))
+    overhead_terms = fit.terms(shape, setup, phase.total)
+    reserved = phase.total + sum(overhead_terms.values())
+    hit = walls.met(shape, setup, inp.torch_version)
+    cannot = unmodelled(inp, shape)
+    fixes, why = _advice(shape, setup, fit, reserved <= inp.device_bytes, host, dominant, dominant_bytes, hit, cannot)
+    auto = PolicyName(inp.policy).chooses_per_layer
     return PlanResult(
-        model_type=shape.model_type,
-        layers=layers,
-        hidden_size=hidden,
-        parameters=shape.parameters(),
-        experts=shape.experts,
-        seq_len=inp.seq_len,
-        tokens_per_rank=tokens,
-        micro_batch=inp.micro_batch,
-        grad_accum=inp.grad_accum,
-        world_size=inp.world_size,
-        local_world_size=local,
-        dtype=inp.dtype,
-        policy=setup.offload,
-        checkpointing=setup.checkpointing,
-        attn=setup.attn,
-        sequence_parallel=setup.sequence_parallel,
-        sequence_parallel_kind=setup.sequence_parallel_kind,
-        cpu_offload=setup.cpu_offload,
-        fused_kernels=setup.fused_kernels,
-        experts_implementation=setup.experts_implementation if shape.moe_layers else None,
-        share_copies=setup.share_copies,
-        tiled_mlp=setup.tiled_mlp,
-        chunked_loss=setup.chunked_loss,
-        optimizer=setup.optimizer,
-        fsdp=setup.shards > 1,
-        keep_last_layers=kept_layers,
-        layer_input_bytes=layer_input,
-        offloaded_bytes_per_rank=offloaded_per_rank,
-        device_bytes_checkpointing=device_held_ckpt,  # held for backward, checkpointing alone
-        device_bytes_offload=device_held_offload,  # held for backward, with hsoffload
-        model_states_device_bytes=model_states,
+        input=inp, model_type=shape.model_type, layers=layers, hidden_size=shape.hidden,
+        parameters=shape.parameters(), experts=shape.experts, tokens_per_rank=setup.tokens,
+        trainable_parameters=adapters.trainable_parameters(shape, setup, moe_flags),
+        layer_input_bytes=layer_input, offloaded_bytes_per_rank=offloaded_per_rank,
+        device_bytes_checkpointing=sum(pm.held_per_layer_bytes(shape, ckpt_setup, m) for m in moe_flags),
+        device_bytes_offload=min(layers, setup.keep_last_layers + 1 + setup.prefetch_depth) * layer_input,
+        model_states_device_bytes=pm.model_states_device_bytes(shape, setup),
         model_states_host_bytes_per_node=host.model_states,
-        device_bytes=device_bytes,
-        device_peak_bytes=phase.total,
-        device_reserved_bytes=reserved,
-        overhead=overhead_terms,
+        device_peak_bytes=phase.total, device_reserved_bytes=reserved, overhead=overhead_terms,
         device_peak_bytes_checkpointing=peak_ckpt,
-        device_reserved_bytes_checkpointing=budget.reserved(shape, ckpt_setup, peak_ckpt),
-        device_peak_bytes_no_checkpointing=peak_none,
-        peak_phase=phase.name,
-        peak_parts=phase.parts,
-        dominant_term=dominant,
-        dominant_term_bytes=dominant_bytes,
-        terms=terms,
-        host_ram_bytes=host_ram,
-        host_budget_bytes_per_node=host.budget,
-        host_bytes_per_node=host.offloaded_in_host,
-        spill_bytes_per_node=host.spill,
-        host_model_states_fit=host.states_fit,
-        transfer_s_per_layer=transfer_s,
-        forward_s_per_layer=forward_s,
-        copies_hide_behind_compute=hides,
-        device_profile=device.name,
-        step_time_s=step.total_s,
-        step_time_s_checkpointing=step_ckpt.total_s,
-        step_time_s_without_offload=step_plain.total_s,
-        step_overhead=step.total_s / step_ckpt.total_s - 1,
-        step_parts=step.parts,
-        verdict=verdict,
-        fixes=fixes,
-        advice=why,
-        torch_version=torch_version,
-        walls=hit,
-        auto_decision=auto_decision(shape, setup, device, local, budget, device_bytes,
-                                    host.budget // max(1, local)) if inp.policy and
-        PolicyName(inp.policy).chooses_per_layer else None,
+        device_reserved_bytes_checkpointing=fit.reserved(shape, ckpt_setup, peak_ckpt),
+        device_peak_bytes_no_checkpointing=pm.peak(shape, dataclasses.replace(setup, checkpointing=False,
+                                                                              policy=None)).total,
+        peak_phase=phase.name, peak_parts=phase.parts, dominant_term=dominant, dominant_term_bytes=dominant_bytes,
+        terms=_terms(shape, setup, moe_flags[-1], held[0]),
+        host_budget_bytes_per_node=host.budget, host_bytes_per_node=host.offloaded_in_host,
+        spill_bytes_per_node=host.spill, host_model_states_fit=host.states_fit,
+        transfer_s_per_layer=transfer_s, forward_s_per_layer=step.parts["forward"] / layers,
+        copies_hide_behind_compute=transfer_s <= step.parts["forward"] / layers, device_profile=device.name,
+        step_time_s=step.total_s, step_time_s_checkpointing=step_ckpt.total_s,
+        step_time_s_without_offload=step_plain.total_s, step_overhead=step.total_s / step_ckpt.total_s - 1,
+        step_parts=step.parts, verdict=_verdict(hit, cannot, reserved <= inp.device_bytes, host), fixes=fixes,
+        advice=why, walls=hit, unmodelled=cannot, error_band=band.BANDS[inp.device_class],
+        banded_verdict=None if hit or cannot or not host.states_fit
+        else band.BANDS[inp.device_class].verdict(reserved, inp.device_bytes),
+        auto_decision=auto_decision(shape, setup, device, local, fit, inp.device_bytes,
+                                    host.budget // max(1, local)) if auto else None,
     )
 
 
-def auto_decision(shape: pm.ModelShape, s: pm.Setup, device: timing.DeviceProfile, local: int, budget: Budget,
+def auto_decision(shape: pm.ModelShape, s: pm.Setup, device: timing.DeviceProfile, local: int, fit: DeviceFit,
                   device_bytes: int, host_bytes: Optional[int] = None) -> AutoPlan:
     """policy auto's decision from the models alone: each layer's bytes without checkpointing and its input, its
     forward and backward at the profile's rate, its copy at the host link; the leanest choice's reserved peak (every
     layer offloaded) as the baseline the runtime measures; the device as the budget."""
-    lean = dataclasses.replace(s, offload=PolicyName.HIDDEN_STATES.value, keep_last_layers=0)
-    plain = dataclasses.replace(s, checkpointing=False, offload=None)
+    lean = dataclasses.replace(s, policy=PolicyName.HIDDEN_STATES, keep_last_layers=0)
+    plain = dataclasses.replace(s, checkpointing=False, policy=None)
     link = timing.copy_bandwidth(device, local)
     costs = []
     projections = timing.projection_times(shape, lean, device)
     for i, (fwd, bwd) in enumerate(timing.layer_times(shape, lean, device)):
         moe = pm.is_moe_layer(shape, i)
-        held_keep = pm.held_per_layer_bytes(shape, dataclasses.replace(lean, offload=None), moe)
+        held_keep = pm.held_per_layer_bytes(shape, dataclasses.replace(lean, policy=None), moe)
         costs.append(choose.LayerCost(name=f"model.layers.{i}", held_none=pm.held_per_layer_bytes(shape, plain, moe),
                                       held_keep=held_keep, forward_s=fwd, backward_s=bwd, copy_s=held_keep / link,
                                       sac_bytes=lean.tokens * pm.sac_copied_elements_per_token(shape, moe)
                                       * lean.dtype_bytes, projection_s=projections[i]))
     lean_phase = pm.peak(shape, lean)
-    lean_reserved = budget.reserved(shape, lean, lean_phase.total)
+    lean_reserved = fit.reserved(shape, lean, lean_phase.total)
     fixed = timing.step_time(shape, plain, device, [0] * shape.layers, local).total_s
     # The host bytes sac's projections may take: this rank's host budget less the inputs every layer may offload.
     host_room = None if host_bytes is None else max(0, host_bytes - sum(c.held_keep for c in costs))
@@ -481,175 +427,11 @@ def auto_decision(shape: pm.ModelShape, s: pm.Setup, device: timing.DeviceProfil
                     prefetch_depth=d.prefetch_depth)
 
 
-# Pinned model states beyond this fraction of a node's RAM leave too little for the OS, data loaders, the processes.
-HOST_STATES_FRACTION = 0.8
-
-
-def offloaded_bytes_per_rank(shape: pm.ModelShape, s: pm.Setup) -> int:
-    """What the offload policy moves to the host per rank and step: what backward holds for every layer but the
-    last `keep_last_layers`."""
-    held = [pm.held_per_layer_bytes(shape, s, pm.is_moe_layer(shape, i)) for i in range(shape.layers)]
-    return sum(held[: shape.layers - s.keep_last_layers])
-
-
-def host_limit(shape: pm.ModelShape, s: pm.Setup, host_ram: int, local: int, unit: int) -> int:
-    """The longest multiple of `unit` tokens whose offloaded bytes fit the node's host budget without spilling, the
-    pinned model states counted first (0 if they alone do not fit). What is offloaded grows linearly in the
-    sequence, so one evaluation at `unit` tokens gives the slope."""
-    states = pm.model_states_host_bytes(shape, s) * local
-    at_unit = dataclasses.replace(s, seq_len=unit)
-    host = host_side(host_ram, states, offloaded_bytes_per_rank(shape, at_unit) * local)
-    if not host.states_fit:
-        return 0
-    per_unit = offloaded_bytes_per_rank(shape, at_unit) * local
-    return host.budget // per_unit * unit if per_unit else 0
-
-
-@dataclasses.dataclass(frozen=True)
-class HostSide:
-    """One node's host memory: RAM, the pinned model states, hsoffload's budget and where the offloaded bytes go."""
-
-    ram: int
-    model_states: int  # pinned model states of the node's ranks (cpu_offload)
-    budget: int  # hsoffload's max_host_bytes=auto for the node: 80 % of what the model states leave
-    offloaded_in_host: int
-    spill: int
-
-    @property
-    def states_fit(self) -> bool:
-        """The model states stay within HOST_STATES_FRACTION of the node's RAM."""
-        return self.model_states <= HOST_STATES_FRACTION * self.ram
-
-
-def host_side(host_ram: int, model_states_node: int, offloaded_node: int) -> HostSide:
-    """The node's host side: the model states are pinned first (before the first step), so max_host_bytes=auto, read
-    from MemAvailable when the scope starts, is 80 % of what they leave; what the offload needs beyond it spills."""
-    budget = int(max(0, host_ram - model_states_node) * AUTO_HOST_BUDGET_FRACTION)
-    in_host = min(offloaded_node, budget)
-    return HostSide(ram=host_ram, model_states=model_states_node, budget=budget, offloaded_in_host=in_host,
-                    spill=offloaded_node - in_host)
-
-
-def host_advice(host: HostSide, s: pm.Setup) -> str:
-    """One sentence: the model states on the host do not fit the node's RAM, and what would."""
-    need = (f"the model states on the host need {host.model_states / _GIB:,.1f} GiB per node, more than "
-            f"{HOST_STATES_FRACTION:.0%} of its {host.ram / _GIB:,.1f} GiB of RAM")
-    lighter = " or --cpu-offload optimizer (weights stay on the device)" if s.cpu_offload == "params" else ""
-    return f"{need}: more nodes (fewer ranks per node), a lighter optimizer{lighter}"
-
-
-def advice(dominant: str, nbytes: int, fixes: list[str]) -> str:
-    """One sentence: the dominant term and what would make the run fit."""
-    if dominant == "logits":  # the logits' parts summed: the float32 loss over them included
-        need = f"the logits and their float32 loss need {nbytes / _GIB:,.1f} GiB"
-    else:
-        what = _PART_NAMES.get(dominant, dominant.replace("_", " "))
-        need = f"the {what} need{'s' if not what.endswith('s') else ''} {nbytes / _GIB:,.1f} GiB"
-    if fixes:
-        return f"{need}: {' or '.join(fixes)} would make it fit"
-    return f"{need}; no combination of the planner's knobs fits this device: more ranks, shorter sequences"
-
-
-def format_plan(p: PlanResult) -> str:
-    g = lambda n: f"{n / _GIB:,.2f} GiB"  # noqa: E731
-    ms = lambda s: f"{s * 1e3:,.2f} ms"  # noqa: E731
-    knobs = [f"attn {p.attn}"]
-    if p.sequence_parallel > 1:
-        kind = _SEQUENCE_PARALLEL_KINDS[p.sequence_parallel_kind]
-        knobs.append(f"sequence parallel {p.sequence_parallel} ({kind})")
-    if p.fused_kernels != "none":
-        knobs.append(f"{p.fused_kernels} kernels")
-    if p.experts_implementation:
-        knobs.append(f"experts {p.experts_implementation}")
-    if p.tiled_mlp > 1:
-        knobs.append(f"tiled MLP {p.tiled_mlp}")
-    if p.chunked_loss:
-        knobs.append("chunked loss")
-    knobs.append("FSDP" if p.fsdp else "unsharded")
-    knobs.append(p.optimizer)
-    if p.cpu_offload != "none":
-        knobs.append(_CPU_OFFLOAD[p.cpu_offload])
-    policy = f"policy {p.policy}" if p.checkpointing else f"no checkpointing, policy {p.policy}"
-    rows: list[tuple[str, Optional[str]]] = [
-        (f"per rank, device peak ({p.peak_phase}):", None),
-    ]
-    rows += [(_PART_NAMES.get(k, k), g(v)) for k, v in p.peak_parts.items()]
-    rows += [("per rank, beyond the tensors (the process):", None)]
-    rows += [(_OVERHEAD_NAMES.get(k, k), g(v)) for k, v in p.overhead.items()]
-    rows += [
-        ("reserved with hsoffload (nvidia-smi)", f"{g(p.device_reserved_bytes)} of {g(p.device_bytes)}"),
-        ("tensors' peak with hsoffload", g(p.device_peak_bytes)),
-        ("tensors' peak, checkpointing only", g(p.device_peak_bytes_checkpointing)),
-        ("reserved, checkpointing only", g(p.device_reserved_bytes_checkpointing)),
-        ("tensors' peak, no checkpointing", g(p.device_peak_bytes_no_checkpointing)),
-        ("per rank, terms:", None),
-        ("model states on the device", g(p.model_states_device_bytes)),
-        ("held for backward, checkpointing only", g(p.device_bytes_checkpointing)),
-        ("held for backward, with hsoffload", g(p.device_bytes_offload)),
-        ("one layer's saved tensors (recompute)", g(p.terms['layer_saved'])),
-        ("  of which attention", g(p.terms['attention_saved'])),
-        ("  of which MLP", g(p.terms['mlp_saved'])),
-        ("one layer's backward, at its peak", g(p.terms['layer_backward'])),
-        ("logits (in the dtype)", g(p.terms['logits'])),
-        ("head: saved / forward / backward in flight",
-         f"{g(p.terms['head_saved'])} / {g(p.terms['head_forward'])} / {g(p.terms['head_backward'])}"),
-        ("per node, in host memory:", None),
-        ("model states, all ranks (pinned)", g(p.model_states_host_bytes_per_node)),
-        ("offloaded, all ranks", g(p.offloaded_bytes_per_rank * p.local_world_size)),
-        (f"host budget ({AUTO_HOST_BUDGET_FRACTION:.0%} of {g(p.host_ram_bytes)} - model states)", g(p.host_budget_bytes_per_node)),
-        ("in host memory", g(p.host_bytes_per_node)),
-        ("to spill_dir", g(p.spill_bytes_per_node)),
-        ("per layer:", None),
-        (f"copy of what it holds for backward ({g(p.layer_input_bytes)})", ms(p.transfer_s_per_layer)),
-        ("forward compute (estimate)", ms(p.forward_s_per_layer)),
-        (f"per step ({p.device_profile}"
-         + (f", {p.grad_accum} micro-batches per optimizer step" if p.grad_accum > 1 else "")
-         + "; hsoffload.planning.timing):", None),
-        ("with hsoffload", f"{p.step_time_s:,.3f} s ({p.step_overhead:+.1%} against checkpointing only)"),
-        ("checkpointing only", f"{p.step_time_s_checkpointing:,.3f} s"),
-        *([("without checkpointing or hsoffload", f"{p.step_time_s_without_offload:,.3f} s")]
-          if not p.checkpointing and p.step_time_s_without_offload is not None else []),
-        ("of which copies not hidden by compute",
-         ms(p.step_parts.get("exposed_d2h", 0.0) + p.step_parts.get("exposed_h2d", 0.0))),
-    ]
-    width = max(len(label) for label, value in rows if value is not None) + 4
-    lines = [
-        f"hsoffload plan: {p.model_type}, {p.layers} layers, hidden {p.hidden_size}, "
-        f"{p.parameters / 1e9:.2f} B parameters"
-        + (f" ({p.experts} experts)" if p.experts else "")
-        + f"; {p.micro_batch} x {p.seq_len:,} tokens ({p.tokens_per_rank:,} per rank), "
-        f"{p.dtype}, {p.world_size} ranks ({p.local_world_size} per node); {policy}"
-        + (f", keep_last_layers {p.keep_last_layers}" if p.keep_last_layers else "")
-        + f"; {', '.join(knobs)}"
-    ]
-    lines += [label if value is None else f"  {label:<{width}}{value}" for label, value in rows]
-    hide = (
-        "the copies hide behind compute"
-        if p.copies_hide_behind_compute
-        else f"the copies take {p.transfer_s_per_layer / p.forward_s_per_layer:.1f}x the compute: expect waits"
-    )
-    for h in p.walls:
-        lines.append(f"  wall: {h.sentence()} (source: {h.source})")
-    if p.walls:  # the sentences are the wall lines above; what memory says comes after them in the advice
-        also = p.advice.split("; also ", 1)[1] if "; also " in p.advice else ""
-        label = p.verdict.upper() if p.verdict == walls.SILENT else p.verdict
-        lines.append(f"verdict: {label}: the wall{'s' if len(p.walls) > 1 else ''} above" + (f"; also {also}" if also else ""))
-    elif p.verdict == "does not fit":
-        lines.append(f"verdict: does not fit; {p.advice}")
-    else:
-        extra = " (set spill_dir)" if p.verdict == "fits with spill" else ""
-        lines.append(f"verdict: {p.verdict}{extra}; {hide}")
-    if p.auto_decision is not None:  # --policy auto: what the runtime would choose, from the models
-        lines.append("with --policy auto (the figures above: every layer offloaded, its leanest choice), reserved:")
-        lines.extend("  " + line for line in p.auto_decision.table.splitlines())
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # --max-seq
 
 
-def _longest(shape: pm.ModelShape, s: pm.Setup, budget: Budget, step: int, auto_tiles: bool,
+def _longest(shape: pm.ModelShape, s: pm.Setup, fit: DeviceFit, step: int, auto_tiles: bool,
              limit: int = 1 << 26) -> int:
     """The longest multiple of `step` (<= limit) whose peak fits, 0 if none: doubling, then bisection (the peak
     grows with the length; where it steps, as the chunked loss's chunk doubling at powers of two, the length found
@@ -662,7 +444,7 @@ def _longest(shape: pm.ModelShape, s: pm.Setup, budget: Budget, step: int, auto_
             candidate.check(shape)
         except PlanError:
             return False
-        return budget.fits(shape, candidate)
+        return fit.fits(shape, candidate)
 
     if not ok(1):
         return 0
@@ -684,8 +466,10 @@ def max_seq(inp: PlanInput, step: int = 1024, target: Optional[int] = None) -> M
     alone and hsoffload, with each knob combination that matters; and the fastest of them at `target` tokens (default:
     the longest any of them fits)."""
     shape = model_shape(inp.config)
+    # Resolved but for the host's RAM: a host column only where it was given.
+    inp = dataclasses.replace(resolve(inp, shape), host_ram_bytes=inp.host_ram_bytes)
     base = setup_of(dataclasses.replace(inp, seq_len=math.lcm(step, inp.sequence_parallel)), shape)
-    device_bytes = inp.device_bytes if inp.device_bytes is not None else default_device_bytes()
+    column_policy = base.policy if base.checkpointing else PolicyName(options.default("policy").value)
     sp = max([1] + [d for d in (2, 4, 8, 16, 32, 64) if d <= inp.world_size and _degree_allowed(shape, base, d)])
     tiles = 0  # hidden-size chunks at each length (ALST's choice)
     combos: list[tuple[str, dict[str, Any]]] = [("as given", {})]
@@ -698,17 +482,15 @@ def max_seq(inp: PlanInput, step: int = 1024, target: Optional[int] = None) -> M
         combos.append((last_label, last))
     if base.cpu_offload != "params":
         combos.append((f"{last_label} + model states on host", {**last, "cpu_offload": "params"}))
-    local = inp.local_world_size or min(inp.world_size, 8)
-    torch_version = inp.torch_version or walls.installed_torch_version()
-    budget = Budget(device_bytes, overhead_of(inp, shape))
+    local, torch_version = inp.local_world_size, inp.torch_version
+    fit = DeviceFit(inp.device_bytes, overhead_of(inp, shape))
     device = device_profile_of(inp)
     rows = []
     setups: dict[tuple[str, str], tuple[pm.Setup, bool]] = {}  # (row, column): its setup, and whether it auto-tiles
     for label, change in combos:
         row: dict[str, Any] = {"knobs": label}
-        for column, over in (("checkpointing", {"checkpointing": True, "offload": None}),
-                             ("hsoffload", {"checkpointing": True, "offload": base.offload if base.checkpointing
-                                            else options.default("policy").value})):
+        for column, over in (("checkpointing", {"checkpointing": True, "policy": None}),
+                             ("hsoffload", {"checkpointing": True, "policy": column_policy})):
             s = dataclasses.replace(base, **{**change, **over})
             setups[(label, column)] = (s, change.get("tiled_mlp") == 0)
             unit = math.lcm(step, s.sequence_parallel)
@@ -716,7 +498,7 @@ def max_seq(inp: PlanInput, step: int = 1024, target: Optional[int] = None) -> M
             # search when the longest length found is the last multiple of `unit` before it.
             wall = walls.first_below(shape, dataclasses.replace(s, seq_len=unit), torch_version)
             cap = wall.first_seq_len - 1 if wall is not None else 1 << 26
-            longest = _longest(shape, s, budget, unit, auto_tiles=change.get("tiled_mlp") == 0, limit=cap)
+            longest = _longest(shape, s, fit, unit, auto_tiles=change.get("tiled_mlp") == 0, limit=cap)
             if wall is not None and longest != cap // unit * unit:
                 wall = None
             row[column] = LongestRun(seq_len=longest, wall=wall)
@@ -728,26 +510,20 @@ def max_seq(inp: PlanInput, step: int = 1024, target: Optional[int] = None) -> M
                 predicted = timing.step_time(shape, at, device, offloaded_layer_bytes(shape, at), local).total_s
                 plain = timing.step_time(shape, at, device, [0] * shape.layers, local).total_s
                 row[column] = LongestRun(seq_len=longest, peak_bytes=phase.total, dominant_term=dominant, wall=wall,
-                                         reserved_bytes=budget.reserved(shape, at, phase.total), step_time_s=predicted,
+                                         reserved_bytes=fit.reserved(shape, at, phase.total), step_time_s=predicted,
                                          step_overhead=predicted / plain - 1)
         rows.append(MaxSeqRow(**row))
     on_host = dataclasses.replace(base, cpu_offload="params")
-    fastest = _fastest(shape, rows, setups, device, local, target, budget)
+    fastest = _fastest(shape, rows, setups, device, local, target, fit)
     return MaxSeqResult(
-        model_type=shape.model_type, device_bytes=device_bytes, world_size=inp.world_size,
-        model_states_device_bytes=pm.model_states_device_bytes(shape, base),
+        input=inp, model_type=shape.model_type, model_states_device_bytes=pm.model_states_device_bytes(shape, base),
         model_states_host_bytes_per_node=pm.model_states_host_bytes(shape, on_host) * local,
-        cpu_offload=base.cpu_offload, fused_kernels=base.fused_kernels,
-        experts_implementation=base.experts_implementation if shape.moe_layers else None,
-        sequence_parallel_kind=base.sequence_parallel_kind,
-        micro_batch=inp.micro_batch, dtype=inp.dtype, attn=base.attn, policy=base.offload,
-        host_ram_bytes=inp.host_ram_bytes, step=step, rows=rows, torch_version=torch_version,
-        device_profile=device.name, fastest=fastest,
+        policy=column_policy.value, step=step, rows=rows, device_profile=device.name, fastest=fastest,
     )
 
 
 def _fastest(shape: pm.ModelShape, rows: list[MaxSeqRow], setups: dict[tuple[str, str], tuple[pm.Setup, bool]],
-             device: timing.DeviceProfile, local: int, target: Optional[int], budget: Budget) -> Optional[Fastest]:
+             device: timing.DeviceProfile, local: int, target: Optional[int], fit: DeviceFit) -> Optional[Fastest]:
     """Among the cells whose longest run reaches `target` tokens (default: the longest any reaches), the one of most
     tokens per second per rank at `target` (sequence parallelism splits a sequence over ranks: its step is shorter
     but each rank trains fewer tokens); the simpler combination (earlier row, checkpointing alone first) on a tie."""
@@ -761,7 +537,7 @@ def _fastest(shape: pm.ModelShape, rows: list[MaxSeqRow], setups: dict[tuple[str
         if seq % s.sequence_parallel:
             continue
         at = _at_length(shape, s, seq, auto_tiles)
-        if not budget.fits(shape, at):  # the peak is not monotone in the length everywhere (the loss's chunks)
+        if not fit.fits(shape, at):  # the peak is not monotone in the length everywhere (the loss's chunks)
             continue
         t = timing.step_time(shape, at, device, offloaded_layer_bytes(shape, at), local).total_s
         rate = at.tokens * at.grad_accum / t
@@ -778,51 +554,3 @@ def _at_length(shape: pm.ModelShape, s: pm.Setup, seq: int, auto_tiles: bool) ->
 def _auto_tiles(shape: pm.ModelShape, s: pm.Setup, seq: int) -> int:
     tokens = s.micro_batch * seq // s.sequence_parallel
     return max(1, math.ceil(tokens / shape.hidden))
-
-
-def format_max_seq(r: MaxSeqResult) -> str:
-    def cell(row: MaxSeqRow, col: str) -> str:
-        run: LongestRun = getattr(row, col)
-        if not run.seq_len:
-            return "none fits"
-        stop = f"; wall: {run.wall.name}" if run.wall else ""
-        return (f"{run.seq_len:,} ({run.reserved_bytes / _GIB:,.1f} GiB reserved, {run.peak_bytes / _GIB:,.1f} "
-                f"tensors, {run.dominant_term}{stop}; {run.step_time_s:,.1f} s/step"
-                + (f", {run.step_overhead:+.1%} copies" if col == "hsoffload" else "") + ")")
-
-    given = "".join([f", experts {r.experts_implementation}" if r.experts_implementation else "",
-                     f", {r.fused_kernels} kernels" if r.fused_kernels != "none" else "",
-                     f", {_CPU_OFFLOAD[r.cpu_offload]}" if r.cpu_offload != "none" else "",
-                     f", sequence parallelism {_SEQUENCE_PARALLEL_KINDS[r.sequence_parallel_kind]}"
-                     if r.world_size > 1 else ""])
-    header = (f"hsoffload plan --max-seq: {r.model_type}, {r.dtype}, micro-batch {r.micro_batch}, "
-              f"{r.world_size} ranks, {r.device_bytes / _GIB:,.1f} GiB per device, attn {r.attn}{given}; longest "
-              f"sequence that fits (multiples of {r.step:,}), with what the process reserves, the tensors' peak and its dominant term")
-    width = max(len(row.knobs) for row in r.rows) + 2
-    col = max([len("checkpointing only")] + [len(cell(row, c)) for row in r.rows
-                                            for c in ("checkpointing", "hsoffload")]) + 2
-    with_host = r.host_ram_bytes is not None
-    hs_title = f"hsoffload ({r.policy})"
-    lines = [header, f"  {'knobs':<{width}}{'checkpointing only':<{col}}{hs_title:<{col if with_host else 0}}"
-                     + (f"host RAM, no spill ({r.host_ram_bytes / _GIB:,.0f} GiB per node)" if with_host else "")]
-    for row in r.rows:
-        host = f"{row.hsoffload_host_limit:,}" if with_host and row.hsoffload_host_limit else "none fits"
-        lines.append(f"  {row.knobs:<{width}}{cell(row, 'checkpointing'):<{col}}"
-                     + (f"{cell(row, 'hsoffload'):<{col}}{host}" if with_host else cell(row, "hsoffload")))
-    if r.fastest is not None:
-        f = r.fastest
-        lines.append(f"  fastest at {f.seq_len:,} tokens: {f.knobs}, "
-                     f"{'checkpointing only' if f.column == 'checkpointing' else hs_title}: {f.step_time_s:,.2f} s/step "
-                     f"({f.tokens_per_s:,.0f} tokens/s per rank, device profile {r.device_profile})")
-    stopped = {run.wall.name: run.wall for row in r.rows for run in (row.checkpointing, row.hsoffload) if run.wall}
-    for wall in stopped.values():
-        lines.append(f"  wall {wall.name}: {wall.sentence()} (source: {wall.source})")
-    if not any(row.hsoffload.seq_len for row in r.rows):
-        lines.append(f"  the model states alone (weights, gradients, optimizer states: "
-                     f"{r.model_states_device_bytes / _GIB:,.1f} GiB per rank) leave no room: shard them over more "
-                     "ranks (--world-size), pick a lighter optimizer, or move them to the host (--cpu-offload)")
-    elif any(row.knobs.endswith("model states on host") for row in r.rows):
-        lines.append(f"  model states on host: weights, gradients and optimizer states in pinned host memory "
-                     f"(--cpu-offload params: {r.model_states_host_bytes_per_node / _GIB:,.1f} GiB per node, "
-                     "beside what hsoffload offloads; check the host side with --seq-len N)")
-    return "\n".join(lines)

@@ -12,66 +12,35 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from .. import options
-from .memory import PlanError
-from .overhead import FRAGMENTATION
+from . import settings
+from .settings import PlanError
+from .band import ErrorBand
 from .walls import WallHit
 
-# The version of the results' JSON: raised when a key is renamed or removed (adding one keeps it).
-PLAN_FORMAT_VERSION = 1
+# The version of the JSON of PlanInput and the results: raised when a key is renamed or removed (adding one keeps it).
+# 2: a result embeds its input (`input`: PlanInput's fields, its defaults resolved) instead of echoing its settings
+#    at the top level; optimizer "adamw8bit" is "adamw_8bit".
+PLAN_FORMAT_VERSION = 2
+READABLE_INPUT_VERSIONS = (1, 2)  # an input's fields were not renamed from 1 to 2
 
 
-@dataclasses.dataclass(frozen=True)
-class PlanInput:
-    """Everything a plan depends on besides the model's config.json. Field names are the CLI flags' (`--seq-len` is
-    seq_len) but for the byte sizes (the CLI takes GiB) and the negated switches (`--no-fsdp` is fsdp=False)."""
+class _PlanInputMethods:
+    """PlanInput's methods; its fields come from the planner's table (hsoffload.planning.settings)."""
 
-    config: str
-    seq_len: int
-    micro_batch: int = 1
-    grad_accum: int = 1  # micro-batches per optimizer step: the step time covers them all and one optimizer step
-    world_size: int = 1
-    local_world_size: Optional[int] = None  # default: min(world_size, 8)
-    dtype: str = "bfloat16"
-    bandwidth_gbps: Optional[float] = None  # host <-> device, GB/s per rank; default: the device profile's
-    tflops: Optional[float] = None  # sustained compute per rank, TFLOP/s; default: the device profile's
-    device_profile: Optional[str] = None  # a profile of hsoffload.planning.timing.PROFILES or a JSON file (h100-sxm)
-    host_ram_bytes: Optional[int] = None  # available RAM of one node; default: this machine's MemAvailable
-    device_bytes: Optional[int] = None  # default: this machine's GPU memory when it has one, else 80 GiB
-    prefetch_depth: int = dataclasses.field(default_factory=lambda: options.default("prefetch_depth"))
-    policy: Optional[str] = None  # hidden_states (default with checkpointing), sac, or all (default without)
-    keep_last_layers: int = dataclasses.field(default_factory=lambda: options.default("keep_last_layers"))
-    optimizer: str = "adamw"
-    sequence_parallel: int = 1
-    tiled_mlp: int = 1
-    chunked_loss: bool = False
-    attn: str = "sdpa"
-    checkpointing: bool = True
-    fsdp: bool = True
-    cpu_offload: str = "none"  # none, optimizer (optimizer states + float32 masters on the host) or params (all)
-    fused_kernels: str = "none"  # none or liger (RMSNorm, SwiGLU, fused linear cross-entropy)
-    sequence_parallel_kind: str = "ulysses"  # ulysses (all-to-all of heads) or ring (key/value chunks)
-    experts_implementation: Optional[str] = None  # MoE: grouped_mm or eager; None: what the installed transformers picks
-    # OffloadConfig.share_copies (policy all: one copy for a tensor several ops save). The knobs OffloadConfig shares
-    # take their defaults from the one table (hsoffload.options; tests/tooling/test_options.py).
-    share_copies: bool = dataclasses.field(default_factory=lambda: options.default("share_copies"))
-    attention_mask: bool = False  # batches carry a padding/packing mask (SDPA: the masked memory-efficient kernel)
-    torch_version: Optional[str] = None  # the torch the walls are read for; default: the installed one (metadata)
-    # What the process holds beyond its tensors (hsoffload.planning.overhead): None: the sourced defaults by the
-    # collectives in use; bytes: that sum instead of the fixed terms. The allocator's margin is a share of the peak.
-    overhead_bytes: Optional[int] = None
-    fragmentation: float = FRAGMENTATION
-    deepspeed_config: Optional[str] = None  # a DeepSpeed JSON: ZeRO-3's reduce and prefetch buckets counted
+    SETTINGS: tuple[settings.Setting, ...] = ()
+
+    def __post_init__(self) -> None:
+        settings.check(self, type(self).SETTINGS)
 
     @classmethod
-    def from_mapping(cls, data: dict[str, Any], where: str = "the plan input") -> "PlanInput":
+    def from_mapping(cls, data: dict[str, Any], where: str = "the plan input") -> Any:
         """A PlanInput from a dict of its fields (to_json's output included); PlanError naming an unknown key (and
         the closest field) or another format version."""
         data = dict(data)
         version = data.pop("format_version", PLAN_FORMAT_VERSION)
-        if version != PLAN_FORMAT_VERSION:
+        if version not in READABLE_INPUT_VERSIONS:
             raise PlanError(f"hsoffload plan: {where}: format_version {version!r}; this hsoffload reads "
-                            f"{PLAN_FORMAT_VERSION}")
+                            f"{' and '.join(map(str, READABLE_INPUT_VERSIONS))}")
         names = [f.name for f in dataclasses.fields(cls)]
         for key in data:
             if key not in names:
@@ -85,7 +54,7 @@ class PlanInput:
         return cls(**data)
 
     @classmethod
-    def from_file(cls, path: str, defaults: Optional[dict[str, Any]] = None) -> "PlanInput":
+    def from_file(cls, path: str, defaults: Optional[dict[str, Any]] = None) -> Any:
         """A PlanInput from a JSON or YAML file of its fields (`config` relative to the file's folder); `defaults`
         fill what the file leaves out (the CLI's seq_len under --max-seq)."""
         p = Path(path)
@@ -115,42 +84,34 @@ class PlanInput:
         return {"format_version": PLAN_FORMAT_VERSION, **dataclasses.asdict(self)}
 
 
+# Everything a plan depends on besides the model's config.json: one field per setting of the planner's table, named
+# as the setting (the CLI flag is --name-with-dashes but for the GiB sizes, `--device-gib` is device_bytes).
+def input_class(table: tuple[settings.Setting, ...]) -> Any:
+    """The PlanInput class of a table of settings (the module's PlanInput is the planner table's)."""
+    return settings.plan_input_class(table, _PlanInputMethods, module=__name__)
+
+
+PlanInput = input_class(settings.SETTINGS)
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanResult:
     """What `hsoffload plan` answers for one sequence length (per rank unless the name says per node)."""
 
+    input: Any  # the PlanInput planned, its defaults resolved (policy, sizes, ranks per node, torch, experts)
     model_type: str
     layers: int
     hidden_size: int
     parameters: int
     experts: int
-    seq_len: int
     tokens_per_rank: int
-    micro_batch: int
-    world_size: int
-    local_world_size: int
-    dtype: str
-    policy: Optional[str]
-    checkpointing: bool
-    attn: str
-    sequence_parallel: int
-    sequence_parallel_kind: str
-    cpu_offload: str
-    fused_kernels: str
-    experts_implementation: Optional[str]
-    share_copies: bool
-    tiled_mlp: int
-    chunked_loss: bool
-    optimizer: str
-    fsdp: bool
-    keep_last_layers: int
+    trainable_parameters: int  # what the optimizer updates: all, or an adapter run's adapters
     layer_input_bytes: int
     offloaded_bytes_per_rank: int
     device_bytes_checkpointing: int  # held for backward, checkpointing alone
     device_bytes_offload: int  # held for backward, with hsoffload
     model_states_device_bytes: int
     model_states_host_bytes_per_node: int
-    device_bytes: int
     device_peak_bytes: int  # the tensors' peak (what torch.cuda.max_memory_allocated reports)
     device_reserved_bytes: int  # the tensors' peak plus `overhead`: what the process reserves (nvidia-smi); must fit
     overhead: dict[str, int]  # the process's device bytes beyond its tensors, by term (hsoffload.planning.overhead)
@@ -162,7 +123,6 @@ class PlanResult:
     dominant_term: str
     dominant_term_bytes: int
     terms: dict[str, int]  # one entry per term of hsoffload.planning.memory (each a function there)
-    host_ram_bytes: int
     host_budget_bytes_per_node: int
     host_bytes_per_node: int
     spill_bytes_per_node: int
@@ -175,12 +135,18 @@ class PlanResult:
     step_time_s_checkpointing: float  # the same step with checkpointing alone
     step_overhead: float  # step_time_s / step_time_s_checkpointing - 1
     step_parts: dict[str, float]  # step_time_s by part: compute, exposed copies, collectives, optimizer
-    verdict: str  # "fits", "fits with spill", "does not fit", "does not run" (a wall) or "silently wrong" (a wall)
+    # "fits", "fits with spill", "does not fit", "cannot judge" (a setting the planner cannot model changes memory:
+    # `unmodelled` names it), "does not run" (a wall) or "silently wrong" (a wall)
+    verdict: str
     fixes: list[str]
     advice: str
-    torch_version: Optional[str]  # the torch the walls were read for (None: none installed nor given)
     walls: list[WallHit]  # the kernels' walls this run meets (hsoffload.planning.walls), the silently wrong first
-    grad_accum: int = 1  # micro-batches per optimizer step: the step times cover them all
+    unmodelled: list[str] = dataclasses.field(default_factory=list)  # what makes the verdict "cannot judge"
+    # The planner's measured error for the input's device class (hsoffload.planning.band) and the verdict it allows
+    # for what the process reserves: "fits", "may not fit" or "does not fit" (None where a wall or an unmodelled
+    # setting decides the verdict, or the host's model states do not fit)
+    error_band: Optional["ErrorBand"] = None
+    banded_verdict: Optional[str] = None
     step_time_s_without_offload: Optional[float] = None  # the same step, checkpointing as given, without hsoffload
     auto_decision: Optional["AutoPlan"] = None  # --policy auto: the decision per layer (hsoffload.choose)
 
@@ -239,23 +205,13 @@ class MaxSeqRow:
 class MaxSeqResult:
     """What `hsoffload plan --max-seq` answers: the longest sequence per knob combination."""
 
+    input: Any  # the PlanInput searched (its seq_len: the first step's), its defaults resolved
     model_type: str
-    device_bytes: int
-    world_size: int
     model_states_device_bytes: int
     model_states_host_bytes_per_node: int
-    cpu_offload: str
-    fused_kernels: str
-    experts_implementation: Optional[str]
-    sequence_parallel_kind: str
-    micro_batch: int
-    dtype: str
-    attn: str
-    policy: Optional[str]
-    host_ram_bytes: Optional[int]
+    policy: Optional[str]  # the hsoffload column's policy
     step: int
     rows: list[MaxSeqRow]
-    torch_version: Optional[str]  # the torch the walls were read for
     device_profile: str  # the profile the step times are for
     fastest: Optional[Fastest] = None  # None: no combination fits (or none fits the length asked)
 

@@ -164,8 +164,13 @@ def exposed_d2h(offloaded: int, layers: int, layer_forward: float, per_copy: flo
 def attention_flops(shape: ModelShape, s: Setup) -> float:
     """One layer's attention forward on one rank. Each rank's share of attention is its tokens against the whole
     sequence's keys (Ulysses: all tokens, 1/D of the heads; ring: its queries, every key over the passes). Causal:
-    half of QK^T's and AV's 2 x 2 x t x k x d."""
-    return 2 * s.tokens * s.seq_len * shape.heads * shape.head_dim
+    half of QK^T's and AV's 2 x 2 x t x k x d. Packed sequences (flash-attention's varlen kernel): each token against
+    its own sequence's keys only, `packed_sequence_len` of them on average (a causal sequence of length n costs n^2/2
+    score pairs: the mean length stands for it when the lengths are alike; longer outliers cost more)."""
+    keys = s.seq_len
+    if s.sample_packing and s.packed_sequence_len:
+        keys = min(s.seq_len, s.packed_sequence_len)
+    return 2 * s.tokens * keys * shape.heads * shape.head_dim
 
 
 def layer_times(shape: ModelShape, s: Setup, p: DeviceProfile) -> list[tuple[float, float]]:

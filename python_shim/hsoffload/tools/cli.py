@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .. import options
-from ..planning.overhead import FRAGMENTATION
+from ..planning import settings as plan_settings
 
 logger = logging.getLogger("hsoffload")
 
@@ -84,46 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--time-limit", type=float, default=420.0, help="seconds after which the GPU suite stops starting new measurements (default 420)")
 
     pl = sub.add_parser("plan", help="before launch: a run's device peak and host/spill bytes, from a config.json alone")
-    pl.add_argument("config", nargs="?", default=None, help="a transformers config.json, or a directory holding one (no weights needed)")
     pl.add_argument("--input", default=None, metavar="FILE", help="a JSON or YAML file of hsoffload.plan.PlanInput's fields (config relative to the file); flags given beside it override it")
-    pl.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (required unless --max-seq; with --max-seq: the length the fastest combination is picked for)")
     pl.add_argument("--max-seq", action="store_true", help="instead: the longest sequence that fits the device, as one table (checkpointing only vs hsoffload, per knob combination)")
-    pl.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and step (default 1)")
-    pl.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step: the step time covers them all (default 1)")
-    pl.add_argument("--world-size", type=int, default=1, help="ranks in all (default 1: nothing sharded)")
-    pl.add_argument("--local-world-size", type=int, default=None, help="ranks per node (default: min(world size, 8))")
-    pl.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
-    pl.add_argument("--device-profile", default=None, metavar="NAME|JSON", help="the accelerator the step time is for: h100-sxm (default), h100-pcie, h200, a100-80gb, or a JSON file of hsoffload.planning.timing.DeviceProfile's fields")
-    pl.add_argument("--bandwidth", dest="bandwidth_gbps", type=float, default=None, metavar="GBps", help="host<->device copy bandwidth per rank, GB/s (default: the device profile's)")
-    pl.add_argument("--tflops", type=float, default=None, help="sustained compute per rank, TFLOP/s (default: the device profile's)")
-    pl.add_argument("--host-ram-gib", type=float, default=None, help="available RAM of one node, GiB (default: this machine's MemAvailable)")
-    pl.add_argument("--device-gib", type=float, default=None, help="memory of one device, GiB (default: the local GPU's when there is one, else 80)")
-    # The flags that take a knob of OffloadConfig: their defaults from the one table (hsoffload.options).
-    knob = options.BY_NAME
-    pl.add_argument(knob["prefetch_depth"].plan_flag, type=int, default=knob["prefetch_depth"].default,
-                    help=f"layers restored ahead in backward (default {knob['prefetch_depth'].default})")
-    pl.add_argument(knob["policy"].plan_flag, default=None,
-                    help=f"{knob['policy'].default.value} (default with checkpointing), sac (projection outputs kept) "
-                    "or all (default with --no-checkpointing)")
-    pl.add_argument(knob["keep_last_layers"].plan_flag, type=int, default=knob["keep_last_layers"].default,
-                    help=f"last layers left on the device (default {knob['keep_last_layers'].default})")
-    pl.add_argument("--optimizer", default="adamw", help="adamw (default: two float32 moments per parameter), adam, adamw_master (DeepSpeed bf16: float32 master weights and two moments on the device), adamw_param_dtype (torch AdamW on bf16 weights: moments in bf16), adamw8bit, sgd or sgd_momentum")
-    pl.add_argument("--sequence-parallel", type=int, default=1, metavar="D", help="sequence parallelism of degree D: tokens per rank = micro-batch x seq / D (default 1)")
-    pl.add_argument("--sequence-parallel-kind", default="ulysses", help="ulysses (default: DeepSpeed Ulysses/ALST, all-to-all buffers of q, k, v and the output; D must divide the attention heads) or ring (ring attention / torch context parallel: key/value chunks passed round; sdpa or flash only)")
-    pl.add_argument("--tiled-mlp", type=int, default=1, metavar="N", help="MLP computed in N sequence chunks, saving only its input (default 1: untiled)")
-    pl.add_argument("--chunked-loss", action="store_true", help="a fused/chunked linear cross-entropy: the logits are never materialised")
-    pl.add_argument("--fused-kernels", default="none", help="none (default: transformers' eager modules) or liger (Liger's RMSNorm, SwiGLU and fused linear cross-entropy, as TRL's use_liger_kernel or Axolotl's liger_* keys: they save less; implies --chunked-loss)")
-    pl.add_argument("--experts-implementation", default=None, help="MoE models: grouped_mm (transformers 5.x's default: one grouped GEMM per projection) or eager (the loop over the experts, transformers 4.x); default: what the installed transformers runs for the model class")
-    pl.add_argument("--cpu-offload", default="none", help="none (default), optimizer (optimizer states, float32 master weights and gradients in pinned host memory, the step on the CPU: ZeRO-Offload) or params (also the weights: FSDP2 CPUOffloadPolicy, ZeRO-3 offload_param; the device holds the gathered layers)")
-    pl.add_argument("--attn", default="sdpa", help="sdpa (default) or flash: linear in the sequence; math (SDPA's fallback without fused kernels) or eager: quadratic")
-    pl.add_argument(knob["share_copies"].plan_flag, action=argparse.BooleanOptionalAction, default=knob["share_copies"].default, help="as OffloadConfig(share_copies=True): policy all copies a tensor several ops save once (default: a copy per save, each restoring its own bytes)")
-    pl.add_argument("--no-checkpointing", dest="checkpointing", action="store_false", help="no gradient checkpointing (hsoffload then offloads with policy all)")
-    pl.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="weights, gradients and optimizer states replicated on every rank (default: FSDP-sharded over --world-size)")
-    pl.add_argument("--overhead-gib", type=float, default=None, help="device GiB the process holds beyond its tensors, instead of the sourced defaults (CUDA context, cuBLAS workspaces, NCCL communicators, ZeRO-3 buckets); the allocator's margin (--fragmentation) is added either way")
-    pl.add_argument("--fragmentation", type=float, default=FRAGMENTATION, help=f"the caching allocator's reserved-but-unused share of the peak (default {FRAGMENTATION})")
-    pl.add_argument("--deepspeed-config", default=None, metavar="JSON", help="a DeepSpeed config: with ZeRO-3, its reduce and prefetch buckets are counted ('auto' as transformers fills it)")
-    pl.add_argument("--attention-mask", action="store_true", help="the batches carry a padding or packing mask (SDPA then runs its memory-efficient kernel with the mask, silently wrong past 65,536 tokens); default: padding-free causal batches")
-    pl.add_argument("--torch", dest="torch_version", default=None, metavar="VERSION", help="the torch release the kernels' walls are read for (default: the installed one, from package metadata)")
+    # One flag per setting of the planner's table (hsoffload.planning.settings): its type, default and help.
+    plan_settings.add_flags(pl, plan_settings.SETTINGS)
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
@@ -177,21 +140,7 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError("a config.json (or --input FILE) is required")
         if args.seq_len is None and not args.max_seq and args.input is None:
             raise UsageError("--seq-len is required (or --max-seq)")
-        for name in ("seq_len", "micro_batch", "grad_accum", "world_size", "sequence_parallel", "tiled_mlp"):
-            _at_least(args, name, 1)
-        if args.local_world_size is not None:
-            _at_least(args, "local_world_size", 1)
-        _at_least(args, "prefetch_depth", 0)
-        _at_least(args, "keep_last_layers", 0)
-        for name, flag in (("bandwidth_gbps", "--bandwidth"), ("tflops", "--tflops")):
-            if getattr(args, name) is not None and getattr(args, name) <= 0:
-                raise UsageError(f"{flag} must be > 0, got {getattr(args, name)}")
-        for name in ("host_ram_gib", "device_gib"):
-            if getattr(args, name) is not None and getattr(args, name) <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-        if args.seq_len is not None and args.seq_len % args.sequence_parallel:
-            raise UsageError(f"--seq-len {args.seq_len} is not divisible by --sequence-parallel {args.sequence_parallel}")
-        return
+        return  # each setting's value is checked once, by PlanInput (hsoffload.planning.settings)
     if args.command == "demo":
         for name in ("steps", "layers", "batch"):
             _at_least(args, name, 1)
@@ -226,10 +175,6 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--spill-dir {args.spill_dir!r} is not a directory")
 
 
-# PlanInput's byte sizes, which the CLI takes in GiB: field -> flag dest.
-_SIZES = {"host_ram_bytes": "host_ram_gib", "device_bytes": "device_gib", "overhead_bytes": "overhead_gib"}
-
-
 def _plan_flags_given(argv: Sequence[str]) -> set[str]:
     """The dests of the `plan` flags written on the command line (argv parsed again with every default suppressed:
     a flag given with its default value counts as given)."""
@@ -241,19 +186,17 @@ def _plan_flags_given(argv: Sequence[str]) -> set[str]:
 
 
 def plan_input(args: argparse.Namespace, argv: Sequence[str]) -> Any:
-    """The one typed input of `hsoffload plan` from its flags: each flag's dest is a PlanInput field but for the GiB
-    sizes; with --input, the file's fields, overridden by the flags written beside it."""
+    """The one typed input of `hsoffload plan` from its flags (one per setting of the planner's table); with --input,
+    the file's fields, overridden by the flags written beside it."""
     from ..planning.shapes import PlanInput
 
-    gib = 1 << 30
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(PlanInput) if hasattr(args, f.name)}
-    for field, dest in _SIZES.items():
-        size = getattr(args, dest)
-        values[field] = int(size * gib) if size is not None else None
+    table = plan_settings.SETTINGS
+    values = plan_settings.input_values(args, table)
     if args.input is None:
         return PlanInput(**{**values, "seq_len": args.seq_len if args.seq_len is not None else 1})
     given = _plan_flags_given(argv)
-    overrides = {name: value for name, value in values.items() if name in given or _SIZES.get(name) in given}
+    dests = plan_settings.flag_dests(table)
+    overrides = {name: value for name, value in values.items() if dests[name] in given}
     defaults = {"seq_len": 1} if args.max_seq else {}  # --max-seq searches the length: the file need not give one
     return dataclasses.replace(PlanInput.from_file(args.input, defaults), **overrides)
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from . import workloads as common
-from .workloads import LlamaShape, SavedBytesTimeline, pyplot
+from .workloads import SavedBytesTimeline, hidden_state_bytes, pyplot, tiny_llama
 from ..targets import enable_checkpointing
 
 logger = logging.getLogger("hsoffload")
@@ -79,7 +79,7 @@ def run_demo(
     import hsoffload
 
     device = device or common.default_device()
-    shape = LlamaShape.tiny(layers=layers)
+    shape = tiny_llama(layers=layers)
     plain = common.build_model(shape, seed=seed, device=device)
     offl = common.build_model(shape, seed=seed, device=device)
     for m in (plain, offl):
@@ -164,7 +164,7 @@ def run_demo(
         saved_peak_plain=tl_p.peak_device_bytes,
         saved_peak_offload=tl_o.peak_device_bytes,
         host_peak_offload=tl_o.peak_host_bytes,
-        expected_hidden_bytes=shape.hidden_state_bytes(batch, seq, torch.get_default_dtype()),
+        expected_hidden_bytes=hidden_state_bytes(shape, batch, seq, torch.get_default_dtype()),
         plot=None,
         all_equal=all(r.loss_equal and r.grads_equal for r in rows),
         timeline={k: [dataclasses.asdict(e) for e in t.events] for k, t in timelines.items()},

@@ -21,71 +21,37 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 
+from ..planning.memory import ModelShape
+
 logger = logging.getLogger("hsoffload")
 
 # ---------------------------------------------------------------------------
 # Models
 
 
-@dataclasses.dataclass(frozen=True)
-class LlamaShape:
-    """The dimensions of a Llama decoder; `tiny()` for CPU runs, `llama3_8b()` for the GPU suite."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    num_hidden_layers: int
-    max_position_embeddings: int = 4096
-    rope_theta: float = 10000.0
-
-    @classmethod
-    def tiny(cls, layers: int = 4) -> "LlamaShape":
-        return cls(
-            hidden_size=256,
-            intermediate_size=688,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1024,
-            num_hidden_layers=layers,
-        )
-
-    @classmethod
-    def llama3_8b(cls, layers: int, max_seq: int) -> "LlamaShape":
-        """Meta-Llama-3-8B layer dimensions (from its published config), `layers` decoder layers."""
-        return cls(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            num_hidden_layers=layers,
-            max_position_embeddings=max(8192, max_seq),
-            rope_theta=500000.0,
-        )
-
-    def hidden_state_bytes(self, batch: int, seq: int, dtype: torch.dtype) -> int:
-        """Bytes of the decoder-layer inputs a checkpointed step keeps: layers x batch x seq x hidden."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.num_hidden_layers * batch * seq * self.hidden_size * itemsize
+def tiny_llama(layers: int = 4, max_positions: int = 4096) -> ModelShape:
+    """A Llama small enough for CPU runs."""
+    return ModelShape.llama(hidden=256, intermediate=688, heads=4, kv_heads=2, vocab=1024, layers=layers,
+                            max_positions=max_positions)
 
 
-def llama_config(shape: LlamaShape, attn_implementation: str = "sdpa") -> Any:
+def llama3_8b(layers: int, max_seq: int) -> ModelShape:
+    """Meta-Llama-3-8B layer dimensions (from its published config), `layers` decoder layers."""
+    return ModelShape.llama(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, layers=layers,
+                            max_positions=max(8192, max_seq), rope_theta=500000.0)
+
+
+def hidden_state_bytes(shape: ModelShape, batch: int, seq: int, dtype: torch.dtype) -> int:
+    """Bytes of the decoder-layer inputs a checkpointed step keeps: layers x batch x seq x hidden."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return shape.layers * batch * seq * shape.hidden * itemsize
+
+
+def llama_config(shape: ModelShape, attn_implementation: str = "sdpa") -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        max_position_embeddings=shape.max_position_embeddings,
-        rope_theta=shape.rope_theta,
-        attn_implementation=attn_implementation,
-        use_cache=False,
-    )
+    fields = {k: v for k, v in shape.to_config().items() if k != "model_type"}
+    return LlamaConfig(**fields, attn_implementation=attn_implementation, use_cache=False)
 
 
 @contextlib.contextmanager
@@ -99,7 +65,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    shape: LlamaShape,
+    shape: ModelShape,
     *,
     seed: int,
     device: torch.device,
@@ -135,10 +101,10 @@ def default_device() -> torch.device:
 
 
 def make_batch(
-    shape: LlamaShape, batch: int, seq: int, *, seed: int, device: torch.device, labels: bool = True
+    shape: ModelShape, batch: int, seq: int, *, seed: int, device: torch.device, labels: bool = True
 ) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, shape.vocab_size, (batch, seq), generator=gen).to(device)
+    ids = torch.randint(0, shape.vocab, (batch, seq), generator=gen).to(device)
     out = {"input_ids": ids}
     if labels:
         out["labels"] = ids

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import workloads as common
-from ..workloads import LlamaShape, Progress, median
+from ..workloads import Progress, median, tiny_llama
 from .peers import HsOffload, Method, all_methods
 
 logger = logging.getLogger("hsoffload")
@@ -231,7 +231,7 @@ def _run_steps(
 
 
 def bench_step(quick: bool, progress: Progress, seed: int = 0) -> dict[str, Any]:
-    shape = LlamaShape.tiny(layers=4)
+    shape = tiny_llama(layers=4)
     seq = 512
     batch_size = 2
     model = common.build_model(shape, seed=seed, device=torch.device("cpu"))

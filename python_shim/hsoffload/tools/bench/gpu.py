@@ -35,7 +35,8 @@ from typing import Any, Optional
 import torch
 
 from .. import workloads as common
-from ..workloads import LlamaShape, Progress, median
+from ...planning.memory import ModelShape
+from ..workloads import Progress, hidden_state_bytes, llama3_8b, median
 from .peers import Method, all_methods
 
 logger = logging.getLogger("hsoffload")
@@ -178,7 +179,7 @@ def _steps(
 def measure(
     method: Method,
     model: torch.nn.Module,
-    shape: LlamaShape,
+    shape: ModelShape,
     seq: int,
     warmup: int,
     steps: int,
@@ -213,7 +214,7 @@ def measure(
 
 
 def profile_copies(
-    method: Method, model: torch.nn.Module, shape: LlamaShape, seq: int, device: torch.device
+    method: Method, model: torch.nn.Module, shape: ModelShape, seq: int, device: torch.device
 ) -> dict[str, Any]:
     """One profiled step (after one warm-up): bytes and busy time of every D2H/H2D memcpy."""
     from torch.profiler import ProfilerActivity, profile
@@ -257,7 +258,7 @@ def profile_copies(
 def longest_fit(
     method: Method,
     model: torch.nn.Module,
-    shape: LlamaShape,
+    shape: ModelShape,
     rows: list[dict[str, Any]],
     budget_bytes: int,
     device: torch.device,
@@ -388,7 +389,7 @@ def run(args: argparse.Namespace, progress_enabled: bool = True) -> dict[str, An
         result["copy_peak"] = pinned_copy_peak(device)
         progress.update("copy peak")
 
-        shape = LlamaShape.llama3_8b(args.layers, 4 * max(seqs))
+        shape = llama3_8b(args.layers, 4 * max(seqs))
         model = common.build_model(
             shape, seed=0, device=device, dtype=torch.bfloat16, causal_lm=False, attn_implementation="sdpa"
         )
@@ -405,7 +406,7 @@ def run(args: argparse.Namespace, progress_enabled: bool = True) -> dict[str, An
                     continue
                 progress.note(f"{m.name} seq={seq}")
                 row = measure(m, model, shape, seq, args.warmup, args.steps, device)
-                row["hidden_state_bytes"] = shape.hidden_state_bytes(1, seq, torch.bfloat16)
+                row["hidden_state_bytes"] = hidden_state_bytes(shape, 1, seq, torch.bfloat16)
                 if predicted is not None:
                     row["predicted_s"] = predicted
                 rows.append(row)
@@ -458,7 +459,7 @@ def _bandwidth(
     result: dict[str, Any],
     usable: list[Method],
     model: torch.nn.Module,
-    shape: LlamaShape,
+    shape: ModelShape,
     rows: list[dict[str, Any]],
     device: torch.device,
     deadline: float,
@@ -491,7 +492,7 @@ def _fits(
     result: dict[str, Any],
     methods: list[Method],
     model: torch.nn.Module,
-    shape: LlamaShape,
+    shape: ModelShape,
     rows: list[dict[str, Any]],
     device: torch.device,
     deadline: float,
@@ -501,7 +502,7 @@ def _fits(
     """The longest fitting length of each of `methods`, appended to result["fit"]."""
     fits: list[dict[str, Any]] = result.setdefault("fit", [])
     budget = int(args.budget_gib * (1 << 30))
-    if fit_layers != shape.num_hidden_layers:
+    if fit_layers != shape.layers:
         if not fits:
             fits.append({"status": "skipped: --fit-layers differs from --layers (one model per process)"})
         return

@@ -71,7 +71,7 @@ def predict(config: Path, seq: int, method: str, device_bytes: Optional[int] = N
     ))
     key = "device_peak_bytes" if method == "hidden_states" else "device_peak_bytes_checkpointing"
     return {"predicted_peak": getattr(p, key), "peak_phase": p.peak_phase, "dominant_term": p.dominant_term,
-            "experts_implementation": p.experts_implementation}
+            "experts_implementation": p.input.experts_implementation}
 
 
 def _measure(config: Path, seq: int, method: str, device: torch.device) -> tuple[int, Optional[str]]:

@@ -11,7 +11,6 @@ interleaved so drift on a shared machine hits every method alike.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib
 import logging
@@ -22,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import workloads as common
-from ..workloads import LlamaShape, Progress, median
+from ..workloads import Progress, median, tiny_llama
 from ...targets import disable_checkpointing, enable_checkpointing
 
 logger = logging.getLogger("hsoffload")
@@ -166,7 +165,7 @@ def run(quick: bool, progress: Progress, device: Optional[torch.device] = None, 
     cpu = device.type == "cpu"
     # Positions cover `seq` (the GPU suite asks for 8192, beyond the tiny shape's 4096); SDPA as the GPU suite's
     # model uses (eager attention's memory is quadratic in the length; these rows compare no bits).
-    shape = dataclasses.replace(LlamaShape.tiny(layers=4), max_position_embeddings=max(4096, seq))
+    shape = tiny_llama(layers=4, max_positions=max(4096, seq))
     model = common.build_model(shape, seed=0, device=device, attn_implementation="sdpa")
     batch = common.make_batch(shape, 2, seq, seed=0, device=device)
     warmup, steps = (1, 2) if quick else (2, 7)

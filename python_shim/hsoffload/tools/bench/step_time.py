@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ...planning import plan as planner
+from ...planning.memory import ModelShape
 from ...planning.shapes import PlanInput
 
 logger = logging.getLogger("hsoffload")
@@ -41,14 +42,20 @@ EXPOSED_GOAL = 0.30  # at least one point where the measured exposed copy time i
 
 
 @dataclasses.dataclass(frozen=True)
-class Shape:
-    hidden: int = 256
-    intermediate: int = 768
-    layers: int = 4
-    heads: int = 4
+class Workload:
+    """One point's model (the planner's one shape type) and what it runs: its sequence length and dtype."""
+
+    model: ModelShape
     seq: int = 1024
-    vocab: int = 512
     dtype: str = "float32"
+
+    @classmethod
+    def small(cls, seq: int = 1024, layers: int = 4, hidden: int = 256, intermediate: int = 768, heads: int = 4,
+              vocab: int = 512, dtype: str = "float32") -> "Workload":
+        """A small Llama (multi-head attention: as many key/value heads as heads) at `seq` tokens."""
+        model = ModelShape.llama(hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=heads, vocab=vocab,
+                                 layers=layers, max_positions=max(2048, seq))
+        return cls(model=model, seq=seq, dtype=dtype)
 
 
 @dataclasses.dataclass
@@ -86,20 +93,17 @@ class Point:
                 "exposed_measured": self.exposed_measured, "exposed_predicted": self.exposed_predicted}
 
 
-def _config(shape: Shape) -> Any:
+def _config(shape: Workload) -> Any:
     import transformers
 
-    return transformers.LlamaConfig(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
-        max_position_embeddings=max(2048, shape.seq), pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False)
+    fields = {k: v for k, v in shape.model.to_config().items() if k != "model_type"}
+    return transformers.LlamaConfig(**fields, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 class Trainer:
     """One model, optimizer and batch on `device`; `step_s` times training steps, with or without offload."""
 
-    def __init__(self, shape: Shape, device: torch.device, sync: Callable[[], None]) -> None:
+    def __init__(self, shape: Workload, device: torch.device, sync: Callable[[], None]) -> None:
         import transformers
 
         from ...targets import enable_checkpointing
@@ -110,7 +114,7 @@ class Trainer:
         self.model.train()
         enable_checkpointing(self.model, {"use_reentrant": False})
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.ids = torch.randint(3, shape.vocab, (1, shape.seq), generator=torch.Generator().manual_seed(0)).to(device)
+        self.ids = torch.randint(3, shape.model.vocab, (1, shape.seq), generator=torch.Generator().manual_seed(0)).to(device)
         self.sync = sync
         self.offloaded_tensors = 0
 
@@ -139,7 +143,7 @@ class Trainer:
         return statistics.median(times)
 
 
-def predict(shape: Shape, tflops: float, copy_gbps: float, attn: str) -> tuple[float, float, float]:
+def predict(shape: Workload, tflops: float, copy_gbps: float, attn: str) -> tuple[float, float, float]:
     """The planner's step with hidden-state offload, with checkpointing alone, and one layer's forward (seconds)."""
     with tempfile.TemporaryDirectory() as tmp:
         _config(shape).save_pretrained(tmp)
@@ -149,7 +153,7 @@ def predict(shape: Shape, tflops: float, copy_gbps: float, attn: str) -> tuple[f
     return p.step_time_s, p.step_time_s_checkpointing, p.forward_s_per_layer
 
 
-def calibrate_tflops(shape: Shape, measured_ckpt_s: float, attn: str) -> float:
+def calibrate_tflops(shape: Workload, measured_ckpt_s: float, attn: str) -> float:
     """The sustained rate at which the planner's step of checkpointing alone takes `measured_ckpt_s`: the step is
     a / tflops + b (compute, and a bandwidth-bound optimizer), solved from two rates."""
     _, t1, _ = predict(shape, 1.0, 1.0, attn)
@@ -162,15 +166,15 @@ def calibrate_tflops(shape: Shape, measured_ckpt_s: float, attn: str) -> float:
     return a / (measured_ckpt_s - b)
 
 
-def sweep(points: Iterator[tuple[str, Shape, float, Callable[[], Any]]], device: torch.device,
+def sweep(points: Iterator[tuple[str, Workload, float, Callable[[], Any]]], device: torch.device,
           sync: Callable[[], None], attn: str, repeats: int, steps: int, calibrate_each: bool = False) -> list[Point]:
     """Measures and predicts each (label, shape, copy GB/s, context) point. Each repeat times checkpointing alone
     beside the offload (so a slow spell of the machine moves both). The compute rate is calibrated once, after the
     measurements, from the mean of checkpointing alone at every point of the first shape, and kept for every point;
     with `calibrate_each`, per shape (a GPU's sustained rate depends on the matmuls' sizes: what is checked there is
     the copies' model)."""
-    trainers: dict[Shape, Trainer] = {}
-    measured: list[tuple[str, Shape, float, list[float], list[float]]] = []
+    trainers: dict[Workload, Trainer] = {}
+    measured: list[tuple[str, Workload, float, list[float], list[float]]] = []
     for label, shape, gbps, context in points:
         if shape not in trainers:
             trainers[shape] = Trainer(shape, device, sync)
@@ -186,7 +190,7 @@ def sweep(points: Iterator[tuple[str, Shape, float, Callable[[], Any]]], device:
         logger.info("step-time sweep: %s measured %.4f s (checkpointing alone %.4f s)", label,
                     statistics.fmean(offload), statistics.fmean(ckpt))
     assert all(t.offloaded_tensors > 0 for t in trainers.values()), "the offload never engaged"
-    rates: dict[Shape, float] = {}
+    rates: dict[Workload, float] = {}
     first = measured[0][1]
     for shape in trainers:
         if calibrate_each or shape == first:
@@ -254,9 +258,9 @@ def gpu_main(argv: Optional[list[str]] = None) -> int:
     device = torch.device("cuda")
     gbps = pinned_copy_peak(device, 1 << 28)["d2h_gbps"]
     heads = max(1, args.hidden // 128)
-    shapes = [Shape(hidden=args.hidden, intermediate=int(i), layers=args.layers, heads=heads, seq=args.seq,
-                    vocab=32000, dtype="bfloat16") for i in args.intermediates.split(",")]
-    points = sweep(((f"intermediate {s.intermediate}", s, gbps, contextlib.nullcontext) for s in shapes), device,
+    shapes = [Workload.small(hidden=args.hidden, intermediate=int(i), layers=args.layers, heads=heads, seq=args.seq,
+                             vocab=32000, dtype="bfloat16") for i in args.intermediates.split(",")]
+    points = sweep(((f"intermediate {s.model.intermediate}", s, gbps, contextlib.nullcontext) for s in shapes), device,
                    torch.cuda.synchronize, "sdpa", args.repeats, args.steps, calibrate_each=True)
     print(report(points, f"step-time model vs measured on {torch.cuda.get_device_name(0)}: hidden {args.hidden}, "
                          f"{args.layers} layers, {args.seq} tokens, bf16; pinned copies {gbps:.1f} GB/s"))

@@ -8,7 +8,6 @@ trace also has the copy and compute kernels on their streams.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from typing import Any, Optional
@@ -40,9 +39,9 @@ def run(path: str, device: Optional[torch.device] = None, layers: int = 4, seq: 
 
     device = device or common.default_device()
     if device.type == "cpu":
-        shape = dataclasses.replace(common.LlamaShape.tiny(layers=layers), max_position_embeddings=max(4096, seq))
+        shape = common.tiny_llama(layers=layers, max_positions=max(4096, seq))
     else:
-        shape = common.LlamaShape.llama3_8b(layers=layers, max_seq=seq)
+        shape = common.llama3_8b(layers=layers, max_seq=seq)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     # SDPA, as the GPU suite's model (eager attention's memory is quadratic in the length; the trace compares no bits).
     model = common.build_model(
