@@ -1,7 +1,7 @@
 """The one table of knobs: every option of an offload scope (and the Axolotl plugin's loading keys), once.
 
 Each option has its name, kind, default, range, a doc line, and where else it is spelled; everything else is derived
-from this table or checked against it by `tests/tooling/test_options.py`:
+from this table or checked against it by `tests/offload/test_options.py`:
 
 - `hsoffload.OffloadConfig` (its fields' defaults and their validation: `validate`);
 - the engine: `csrc/include/hsoffload/options.h` is generated from it (`python -m hsoffload.options --write`), the C++
@@ -288,7 +288,7 @@ def cpp_header() -> str:
     lines = [
         "// The engine's options of one offload scope, as X-macros. GENERATED from python_shim/hsoffload/options.py",
         "// (the one table of knobs) by `python -m hsoffload.options --write`: edit the table, not this file",
-        "// (tests/tooling/test_options.py fails when they differ).",
+        "// (tests/offload/test_options.py fails when they differ).",
         "//",
         "// X(type, name, default): one per option, in the OffloadScope class constructor's argument order. Used for",
         "// the fields of hsoffload::OffloadConfig (scope.h) and the constructor's arguments (ops/registration.cpp).",

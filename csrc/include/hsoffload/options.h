@@ -1,6 +1,6 @@
 // The engine's options of one offload scope, as X-macros. GENERATED from python_shim/hsoffload/options.py
 // (the one table of knobs) by `python -m hsoffload.options --write`: edit the table, not this file
-// (tests/tooling/test_options.py fails when they differ).
+// (tests/offload/test_options.py fails when they differ).
 //
 // X(type, name, default): one per option, in the OffloadScope class constructor's argument order. Used for
 // the fields of hsoffload::OffloadConfig (scope.h) and the constructor's arguments (ops/registration.cpp).

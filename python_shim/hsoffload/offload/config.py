@@ -1,7 +1,7 @@
 """`OffloadConfig`: every knob of an offload scope, validated once.
 
 The knobs, their defaults, ranges and doc lines live in one table, `hsoffload.options` (the fields below take their
-defaults from it and are checked against it by tests/tooling/test_options.py). The engine's own config (csrc
+defaults from it and are checked against it by tests/offload/test_options.py). The engine's own config (csrc
 `OffloadConfig`, generated from the same table) holds the knobs the engine acts on (sizes, streams, prefetch, spill);
 the fields here that it does not have (policy, the layer budget, the head rule, the pool limit, the host budget and
 the reservation) are the shim's: the policy decides what to mark, the limits are process-wide and applied when a

@@ -59,7 +59,7 @@ def read_config(path: str) -> dict[str, Any]:
 
 
 # Model types whose configs the planner's formulas follow (checked against meta-device models in
-# tests/tooling/test_plan.py); other types are looked up in transformers' registry (importing transformers costs
+# tests/planning/test_plan.py); other types are looked up in transformers' registry (importing transformers costs
 # seconds).
 _COMMON_MODEL_TYPES = frozenset({
     "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmo2", "phi3", "granite",
