@@ -415,16 +415,43 @@ def auto_decision(shape: pm.ModelShape, s: pm.Setup, device: timing.DeviceProfil
                                       held_keep=held_keep, forward_s=fwd, backward_s=bwd, copy_s=held_keep / link,
                                       sac_bytes=lean.tokens * pm.sac_copied_elements_per_token(shape, moe)
                                       * lean.dtype_bytes, projection_s=projections[i]))
-    lean_phase = pm.peak(shape, lean)
-    lean_reserved = fit.reserved(shape, lean, lean_phase.total)
+    lean_phases, costs = _auto_phases(shape, lean, plain, fit, costs)
     fixed = timing.step_time(shape, plain, device, [0] * shape.layers, local).total_s
     # The host bytes sac's projections may take: this rank's host budget less the inputs every layer may offload.
     host_room = None if host_bytes is None else max(0, host_bytes - sum(c.held_keep for c in costs))
-    d = choose.choose(costs, device_bytes, lean_reserved, fixed, sac_window=s.prefetch_depth + 1, host_room=host_room,
+    d = choose.choose(costs, device_bytes, lean_phases, fixed, sac_window=s.prefetch_depth + 1, host_room=host_room,
                       prefetch_depths=choose.prefetch_depths(s.prefetch_depth))
     return AutoPlan(choices=[str(c) for c in d.choices], counts=d.counts(), budget_bytes=device_bytes,
                     peak_bytes=d.peak_bytes, step_time_s=d.step_s, fits=d.fits, table=d.table(costs),
                     prefetch_depth=d.prefetch_depth)
+
+
+def _auto_phases(shape: pm.ModelShape, lean: pm.Setup, plain: pm.Setup, fit: DeviceFit,
+                 costs: list[choose.LayerCost]) -> tuple[choose.Phases, list[choose.LayerCost]]:
+    """The leanest step's reserved peak by phase (hsoffload.costs.Phases) from the phase model, and each layer's own
+    forward and backward without checkpointing (its working sets there): the order-aware peak the runtime measures."""
+    lean_by = {p.name: p for p in pm.phases(shape, lean)}
+    plain_by = {p.name: p for p in pm.phases(shape, plain)}
+    n, depth = shape.layers, lean.prefetch_depth
+
+    def reserved(name: str) -> int:
+        return fit.reserved(shape, lean, lean_by[name].total)
+
+    def work(by: dict[str, pm.Phase], name: str) -> int:
+        return by[name].parts.get("layer_working_set", 0)
+
+    phases = choose.Phases(
+        forward=max(reserved("head forward"), reserved("head backward")),
+        backward=tuple(reserved(f"backward layer {i}") for i in range(n)),
+        after=reserved("optimizer step"),
+        layers=tuple(reserved(f"forward layer {k}") for k in range(n)),
+        layer_work=tuple(work(lean_by, f"forward layer {k}") for k in range(n)),
+        backward_work=tuple(work(lean_by, f"backward layer {i}") for i in range(n)),
+        restores=tuple(sum(costs[j].held_keep for j in range(max(0, i - depth), i)) for i in range(n)),
+        shared=lean_by[f"backward layer {n - 1}"].parts.get("attention_mask", 0) if n else 0)
+    costs = [dataclasses.replace(c, none_forward=work(plain_by, f"forward layer {k}"),
+                                 none_backward=work(plain_by, f"backward layer {k}")) for k, c in enumerate(costs)]
+    return phases, costs
 
 
 # ---------------------------------------------------------------------------------------------------------------
