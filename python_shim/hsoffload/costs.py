@@ -292,3 +292,22 @@ def pipeline_s(costs: Sequence[LayerCost], choices: Sequence[Choice], depth: int
             start_until(at[i] + depth, t)  # the layers `depth` ahead, at this unpack
         t += costs[i].recompute_s(choices[i]) + costs[i].backward_s
     return extra
+
+
+def restores_exposed_s(layers: int, compute: float, copy: float) -> float:
+    """Backward's restores of `layers` alike layers as a two-stage pipeline (compute beside copies): the time the
+    copies add beyond compute (the planner's aggregate; `pipeline_s` plays them layer by layer)."""
+    if copy <= 0 or layers <= 0:
+        return 0.0
+    return max(layers * compute, layers * copy) + min(compute, copy) - layers * compute
+
+
+def copies_out_exposed_s(offloaded: int, layers: int, layer_forward: float, per_copy: float, head: float) -> float:
+    """The forward's copies to the host that compute does not hide. Layer i's input starts copying when layer i
+    starts, one copy after another on the side stream, so the last of `offloaded` copies (the first layers') ends at
+    max(n x, (n - 1) c + x); backward's first restore waits for it, and until then the layers' forward and the head's
+    forward and backward run."""
+    if offloaded <= 0 or per_copy <= 0:
+        return 0.0
+    last_copy_done = max(offloaded * per_copy, (offloaded - 1) * layer_forward + per_copy)
+    return max(0.0, last_copy_done - layers * layer_forward - head)

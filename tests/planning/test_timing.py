@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hsoffload import costs
 from hsoffload import plan
 from hsoffload.planning import timing
 from hsoffload.tools.cli import main
@@ -57,12 +58,12 @@ def test_copies_slower_than_compute_show_in_full(capsys: pytest.CaptureFixture[s
 def test_forward_copies_hidden_by_the_layers_and_the_head() -> None:
     # 4 layers of 1 s: copies of 0.5 s end at 3.5 s, before the layers; copies of 2 s end at 8 s, the layers and a
     # 1 s head at 5 s: 3 s show; a 5 s head hides them.
-    assert timing.exposed_d2h(4, 4, layer_forward=1.0, per_copy=0.5, head=0.0) == 0.0
-    assert timing.exposed_d2h(4, 4, layer_forward=1.0, per_copy=2.0, head=1.0) == pytest.approx(3.0)
-    assert timing.exposed_d2h(4, 4, layer_forward=1.0, per_copy=2.0, head=5.0) == 0.0
+    assert costs.copies_out_exposed_s(4, 4, layer_forward=1.0, per_copy=0.5, head=0.0) == 0.0
+    assert costs.copies_out_exposed_s(4, 4, layer_forward=1.0, per_copy=2.0, head=1.0) == pytest.approx(3.0)
+    assert costs.copies_out_exposed_s(4, 4, layer_forward=1.0, per_copy=2.0, head=5.0) == 0.0
     # Two kept layers compute after the two offloaded ones' copies started: they hide them too.
-    assert timing.exposed_d2h(2, 4, layer_forward=1.0, per_copy=2.0, head=0.0) == 0.0
-    assert timing.exposed_d2h(0, 4, layer_forward=1.0, per_copy=2.0, head=0.0) == 0.0
+    assert costs.copies_out_exposed_s(2, 4, layer_forward=1.0, per_copy=2.0, head=0.0) == 0.0
+    assert costs.copies_out_exposed_s(0, 4, layer_forward=1.0, per_copy=2.0, head=0.0) == 0.0
 
 
 def test_flash_attention_backward_recomputes_the_scores(capsys: pytest.CaptureFixture[str]) -> None:
@@ -87,9 +88,9 @@ def test_gradient_accumulation_repeats_the_micro_batches_not_the_optimizer(capsy
 
 
 def test_pipeline_fill_and_throughput() -> None:
-    assert timing._pipeline(10, compute=2.0, copy=1.0) == pytest.approx(1.0)  # hidden: the last copy's fill
-    assert timing._pipeline(10, compute=1.0, copy=3.0) == pytest.approx(10 * 3 + 1 - 10)  # copy-bound
-    assert timing._pipeline(0, compute=1.0, copy=3.0) == 0.0
+    assert costs.restores_exposed_s(10, compute=2.0, copy=1.0) == pytest.approx(1.0)  # hidden: the last copy's fill
+    assert costs.restores_exposed_s(10, compute=1.0, copy=3.0) == pytest.approx(10 * 3 + 1 - 10)  # copy-bound
+    assert costs.restores_exposed_s(0, compute=1.0, copy=3.0) == 0.0
 
 
 def test_profiles_and_a_profile_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

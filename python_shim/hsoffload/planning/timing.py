@@ -11,9 +11,10 @@ The model, per rank (times in seconds):
   optimizer step;
 - the offload's copies run on side streams beside compute: in forward, layer i's input copies to the host while
   layers i, i+1, ... compute, and the last copy must end before backward's first restore (the head's forward and
-  backward hide what outlasts the layers: `exposed_d2h`); in backward the restore of a layer runs `prefetch_depth`
+  backward hide what outlasts the layers: `costs.copies_out_exposed_s`); in backward the restore of a layer runs `prefetch_depth`
   layers ahead, a two-stage pipeline: L layers of compute c (recompute and backward) beside copies x take
-  max(L c, L x) + min(c, x) (the first restore is waited for); the exposed copy time is that minus L c;
+  max(L c, L x) + min(c, x) (the first restore is waited for); the exposed copy time is that minus L c
+  (`costs.restores_exposed_s`: the cost model's, shared with policy auto);
 - the copy bandwidth per rank is the profile's host link, or the node's host memory bandwidth shared by its ranks
   when that is less;
 - collectives: FSDP's per-layer all-gather (forward, recompute) and reduce-scatter (backward) overlap compute (FSDP
@@ -34,6 +35,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import costs
 from .memory import ModelShape, PlanError, Setup, is_moe_layer, model_states_device_bytes
 
 GB = 1e9
@@ -135,30 +137,12 @@ def _active_layer_parameters(shape: ModelShape, moe: bool) -> int:
     return shape.attention_parameters() + experts + shared + shape.hidden * shape.experts
 
 
-def _pipeline(layers: int, compute: float, copy: float) -> float:
-    """A two-stage pipeline of `layers` steps: compute beside copies; the time the copies add beyond compute."""
-    if copy <= 0 or layers <= 0:
-        return 0.0
-    return max(layers * compute, layers * copy) + min(compute, copy) - layers * compute
-
-
 def attention_backward_factor(attn: str) -> float:
     """Attention's backward FLOPs over its forward's. A fused (flash) kernel keeps no score matrix: its backward
     recomputes QK^T and runs four more matmuls (dV, dP, dQ, dK), 5 against the forward's 2 (FlashAttention-2, Dao
     2023, section 3.1); the math and eager paths keep the probabilities, and their backward is the usual two matmuls
     per forward matmul."""
     return 2.5 if attn in ("sdpa", "flash") else 2.0
-
-
-def exposed_d2h(offloaded: int, layers: int, layer_forward: float, per_copy: float, head: float) -> float:
-    """The forward's copies to the host that compute does not hide. Layer i's input starts copying when layer i
-    starts, one copy after another on the side stream, so the last of `offloaded` copies (the first layers') ends at
-    max(n x, (n - 1) c + x); backward's first restore waits for it, and until then the layers' forward and the head's
-    forward and backward run."""
-    if offloaded <= 0 or per_copy <= 0:
-        return 0.0
-    last_copy_done = max(offloaded * per_copy, (offloaded - 1) * layer_forward + per_copy)
-    return max(0.0, last_copy_done - layers * layer_forward - head)
 
 
 def attention_flops(shape: ModelShape, s: Setup) -> float:
@@ -220,10 +204,10 @@ def step_time(shape: ModelShape, s: Setup, p: DeviceProfile, offloaded_layer_byt
         per_copy = sum(moved) / n / link
         layer_fwd = fwd / shape.layers
         layer_bwd = (recompute + backward) / shape.layers
-        parts["exposed_d2h"] = exposed_d2h(n, shape.layers, layer_fwd, per_copy, head)
+        parts["exposed_d2h"] = costs.copies_out_exposed_s(n, shape.layers, layer_fwd, per_copy, head)
         # Prefetching `prefetch_depth` layers ahead absorbs jitter; it cannot raise the copies' throughput: a copy
         # slower than its layer's compute shows, whatever the depth.
-        parts["exposed_h2d"] = _pipeline(n, layer_bwd, per_copy)
+        parts["exposed_h2d"] = costs.restores_exposed_s(n, layer_bwd, per_copy)
 
     # Collectives.
     nodes = max(1, s.world_size // max(1, local_world_size))
