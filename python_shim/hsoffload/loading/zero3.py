@@ -85,6 +85,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from .. import engine as _engine
 from .._logging import log_once
 
 logger = logging.getLogger("hsoffload")
@@ -149,7 +150,7 @@ def _group_facts(group: Any) -> tuple[int, int, int]:
 def _decide(tensor: torch.Tensor, group_rank: int) -> bool:
     """Whether this rank only receives its slice of `tensor` (the engine's decision, docs/ops.md). The collectives
     need every rank but group rank 0 to receive: a decision that says otherwise is our bug, not the caller's."""
-    skip = bool(torch.ops.hsoffload.skip_init_zero3([tensor], group_rank, True)[0])
+    skip = _engine.skip_init_zero3([tensor], group_rank, True)[0]
     if skip != (group_rank != 0):
         raise RuntimeError(f"hsoffload.zero3_loading: internal error: skip_init_zero3 decided skip={skip} for group "
                            f"rank {group_rank} of a {tuple(tensor.shape)} {tensor.layout} tensor")
