@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import threading
+from types import ModuleType
 from typing import Optional, Union
 
 import torch
@@ -24,6 +25,11 @@ from ..options import AUTO_HOST_BUDGET_FRACTION, parse_bytes
 from ..stats import BudgetStats, OffloadStats, PoolStats
 
 logger = logging.getLogger("hsoffload")
+
+
+def _engine() -> ModuleType:
+    """The engine's process-wide functions: the door (`hsoffload.engine`), for callers that read its figures raw."""
+    return engine
 
 
 def process_stats() -> OffloadStats:
