@@ -496,9 +496,8 @@ def _make_gathered(previous: Any, patch: Any) -> Any:
     return RootGatheredParameters
 
 
-# The seven patched places (ten attributes: transformers keeps one function under two modules, and the load patches
-# wrap three classmethods). Each is a ClassPatch (hsoffload.classpatch); an attribute this DeepSpeed / transformers
-# does not have stays stock (logged once).
+# Every attribute ZeRO-3 loading wraps, each one ClassPatch (hsoffload.classpatch), installed in this order and removed
+# in the reverse; an attribute this DeepSpeed / transformers does not have stays stock (logged once).
 ZERO_INIT_PARAM = ClassPatch(_init_class, "_zero_init_param", _make_zero_init_param, missing_ok=True)
 GATHERED = ClassPatch(_ds_zero_module, "GatheredParameters", _make_gathered, missing_ok=True)
 INITIALIZE_WEIGHTS = ClassPatch(_hf_ds_module, "initialize_weights_zero3", _make_armed, missing_ok=True)
@@ -516,7 +515,6 @@ AUTO_CONFIG = ClassPatch(_auto_config_class, "from_pretrained", functools.partia
                          missing_ok=True)
 _PATCHES = (ZERO_INIT_PARAM, GATHERED, INITIALIZE_WEIGHTS, LOAD_ZERO3, LOAD_ZERO3_MODELING, LOAD_PRETRAINED, META_LOAD,
             FROM_PRETRAINED, FROM_CONFIG, AUTO_CONFIG)
-
 
 _lock = threading.Lock()
 

@@ -15,7 +15,6 @@ from .zero3_collectives import Scratch, _add, _comm_device, _dist, _valid
 
 _CHECKSUM_CHUNK = 1 << 22  # bytes per step: the int64 temporaries stay at 8x this (32 MiB)
 
-
 _ADLER = 65521
 
 

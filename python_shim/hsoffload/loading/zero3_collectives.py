@@ -46,7 +46,6 @@ class Zero3LoadStats:
 
 _stats_lock = threading.Lock()
 
-
 _counts: dict[str, int] = {f.name: 0 for f in dataclasses.fields(Zero3LoadStats)}
 
 
@@ -145,7 +144,6 @@ class Zero3LoadError(RuntimeError):
 
 
 _settings: dict[str, Any] = {"verify": False, "failure_wait_s": 60.0}  # patch(...)
-
 
 _AGREED = "_hsoffload_zero3_agreed"  # set on an exception every rank raised at the same status check
 
