@@ -58,34 +58,61 @@ TORCH_LIBRARY(hsoffload, m) {
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->prefetch_depth(); })
       .def("tracked_state",
            [](const c10::intrusive_ptr<OffloadScopeHolder>& self) { return self->scope->tracked_state(); })
-      // Every scope's counters summed over the process (HSOFFLOAD_OFFLOAD_STATS).
+      // Deprecated (one release; docs/ops.md, "Deprecated"): the process-wide ops below as statics of this class,
+      // bound to the same functions.
       .def_static("process_stats", &process_stats)
-      // The process-wide host pool (HSOFFLOAD_POOL_STATS).
       .def_static("pool_stats", &pool_stats)
       .def_static("set_pool_limit", &set_pool_limit)
       .def_static("pool_limit", &pool_limit)
       .def_static("empty_pool", &empty_pool)
-      // Makes `bytes` bytes (pinned: for accelerator copies) free in the pool now, before the first step, so packs
-      // do not allocate; returns the pool's free bytes of that kind (less only where the pool limit stops it).
       .def_static("reserve_host", &reserve_host)
-      // The process-wide host budget: bytes >= 0, or -1 for auto (80% of MemAvailable / LOCAL_WORLD_SIZE).
       .def_static("set_host_budget", &set_host_budget)
-      // The process-wide host budget (HSOFFLOAD_BUDGET_STATS; an auto limit is resolved by the first call).
       .def_static("budget_stats", &budget_stats)
-      // The ranks on this node and the variable that said so ("" none): the one decider (hsoffload/local_size.h).
       .def_static("local_size", &local_size)
-      // The CPU meter (hsoffload/cpu_meter.h): a counting allocator in front of the CPU allocator, the figures
-      // policy "auto" reads when the device is the CPU. install: idempotent, false if another allocator keeps its
-      // place; stats: HSOFFLOAD_CPU_METER_STATS; reset_peak: peak := allocated now.
       .def_static("cpu_meter_install", &cpu_meter_install)
       .def_static("cpu_meter_stats", &cpu_meter_stats)
       .def_static("cpu_meter_reset_peak", &cpu_meter_reset_peak)
-      // True if the engine tells graph capture itself (torch >= 2.13's device guard); false: the caller passes
-      // offload_pack's `capturing` flag.
       .def_static("engine_detects_capture", &engine_detects_capture)
-      // The process's side streams on `device` (ids of the device->host and host->device streams): one pair per
-      // device per process, the same for every scope (docs/design.md, "Stream ownership").
       .def_static("side_streams", &side_streams);
+
+  // The process-wide ops: the host pool, the host budget, the local size, the CPU meter, graph capture, the side
+  // streams and every scope's counters (docs/ops.md, "Process-wide ops").
+  // Note on CONSERVATIVE: they read or write process state that no argument names. With the schema's own alias
+  // analysis TorchScript would take them for pure functions: drop a setter (no output) as dead code and merge two
+  // reads of a counter around a write.
+  constexpr auto kProcessState = c10::AliasAnalysisKind::CONSERVATIVE;
+  // Every scope's counters summed over the process (HSOFFLOAD_OFFLOAD_STATS; pool_bytes is the pool's now).
+  m.def(torch::schema("process_stats() -> Dict(str, int)", kProcessState), &process_stats);
+  // What the process-wide host pool holds now (HSOFFLOAD_POOL_STATS).
+  m.def(torch::schema("pool_stats() -> Dict(str, int)", kProcessState), &pool_stats);
+  // Bounds the host pool's held bytes (>= 0; -1: follow the host budget again, as by default).
+  m.def(torch::schema("set_pool_limit(int max_bytes) -> ()", kProcessState), &set_pool_limit);
+  // The host pool's bound now, in bytes.
+  m.def(torch::schema("pool_limit() -> int", kProcessState), &pool_limit);
+  // Frees every idle slab of the host pool (and the accelerator's cached pinned blocks).
+  m.def(torch::schema("empty_pool() -> ()", kProcessState), &empty_pool);
+  // Makes `bytes` bytes (pinned: for accelerator copies) free in the pool now, before the first step, so packs
+  // do not allocate; returns the pool's free bytes of that kind (less only where the pool limit stops it).
+  m.def(torch::schema("reserve_host(int bytes, bool pinned) -> int", kProcessState), &reserve_host);
+  // The process-wide host budget: max_bytes >= 0, or -1 for auto (80% of MemAvailable / LOCAL_WORLD_SIZE).
+  m.def(torch::schema("set_host_budget(int max_bytes) -> ()", kProcessState), &set_host_budget);
+  // The process-wide host budget (HSOFFLOAD_BUDGET_STATS; an auto limit is resolved by the first call).
+  m.def(torch::schema("budget_stats() -> Dict(str, int)", kProcessState), &budget_stats);
+  // The ranks on this node and the variable that said so ("" none): the one decider (hsoffload/local_size.h).
+  m.def(torch::schema("local_size() -> (int, str)", kProcessState), &local_size);
+  // The CPU meter (hsoffload/cpu_meter.h): a counting allocator in front of the CPU allocator, the figures policy
+  // "auto" reads when the device is the CPU. Installs it: idempotent, false if another allocator keeps its place.
+  m.def(torch::schema("cpu_meter_install() -> bool", kProcessState), &cpu_meter_install);
+  // The CPU meter's figures (HSOFFLOAD_CPU_METER_STATS).
+  m.def(torch::schema("cpu_meter_stats() -> Dict(str, int)", kProcessState), &cpu_meter_stats);
+  // The CPU meter's peak := what it has lent now.
+  m.def(torch::schema("cpu_meter_reset_peak() -> ()", kProcessState), &cpu_meter_reset_peak);
+  // True if the engine tells graph capture itself (torch >= 2.13's device guard); false: the caller passes
+  // offload_pack's `capturing` flag.
+  m.def(torch::schema("engine_detects_capture() -> bool", kProcessState), &engine_detects_capture);
+  // The process's side streams on `device` (ids of the device->host and host->device streams): one pair per
+  // device per process, the same for every scope (docs/design.md, "Stream ownership").
+  m.def(torch::schema("side_streams(Device device) -> int[]", kProcessState), &side_streams);
 
   // Returns x itself; marks x for offload when autograd saves it while an
   // offload scope is active on this thread (no-op without one).
@@ -118,7 +145,14 @@ TORCH_LIBRARY(hsoffload, m) {
       .def("skip", &init_skip_record_skip)
       .def("reason", &init_skip_record_reason)
       .def("clear", &init_skip_record_clear)
+      // Deprecated (one release): the op lazy_zeros_like below, bound to the same function.
       .def_static("lazy_zeros_like", &init_skip_lazy_zeros_like);
+
+  // A contiguous CPU tensor of like's shape and dtype that reads as zeros and holds no resident memory until
+  // written (a private anonymous mapping); `like` may be on meta, must be strided. Note: a catch-all kernel, so a
+  // meta `like` still gets a CPU result (what the FSDP loader's placeholders need); CONSERVATIVE as above, since
+  // every call must allocate anew.
+  m.def(torch::schema("lazy_zeros_like(Tensor like) -> Tensor", kProcessState), &init_skip_lazy_zeros_like);
 
   // FSDP RAM-efficient loading: returns, per tensor, whether this process must
   // skip initialising it (ranks other than rank 0 / local rank 0 under FSDP

@@ -1,7 +1,8 @@
 """`ClassPatch`: one class attribute wrapped by hsoffload, with the same chaining and unpatch rules everywhere.
 
 Every monkeypatch of the package (the decoder layer's `__call__`, `CheckpointWrapper.forward`,
-`PreTrainedModel._initialize_missing_keys` and `_move_missing_keys_from_meta_to_device`) is one `ClassPatch`:
+`PreTrainedModel._initialize_missing_keys` and `_move_missing_keys_from_meta_to_device`, ZeRO-3 loading's
+DeepSpeed and transformers functions) is one `ClassPatch`. The owner is a class or a module:
 
 - `install()` wraps whatever the attribute is now (stock, or another library's patch) and calls it; it never copies
   the wrapped body. Idempotent: if our wrapper is already installed (on top, or under a patch installed later that
@@ -21,31 +22,44 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
+from ._logging import log_once
+
 logger = logging.getLogger("hsoffload")
 
 PATCH_ATTR = "_hsoffload_patched"  # set on every wrapper a ClassPatch installs
 _MISSING = object()  # "the class had no attribute of its own"
 
+def _qualname(owner: Any) -> str:
+    """`module.Class` for a class, the module's name for a module (both can own a patched attribute)."""
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return str(getattr(owner, "__name__", owner))
+
+
 MakeWrapper = Callable[[Callable[..., Any], "ClassPatch"], Callable[..., Any]]
 
 
 class ClassPatch:
-    """Wraps `owner().<name>`; `make(previous, patch)` builds the wrapper around the attribute it replaces."""
+    """Wraps `owner().<name>`; `make(previous, patch)` builds the wrapper around the attribute it replaces.
+    `missing_ok`: an owner without the attribute (another version of the library) is left stock, logged once, and
+    `install()` returns False; otherwise that raises AttributeError."""
 
     def __init__(
         self,
-        owner: Callable[[], Optional[type]],
+        owner: Callable[[], Any],
         name: str,
         make: MakeWrapper,
         *,
         inherited_ok: bool = False,
         missing_hint: str = "",
+        missing_ok: bool = False,
     ) -> None:
         self._owner = owner  # resolved lazily: the class's module may be imported late or not at all
         self.name = name
         self._make = make
         self._inherited_ok = inherited_ok  # wrap an inherited attribute (removed again by delattr)
         self._missing_hint = missing_hint
+        self._missing_ok = missing_ok
         self._lock = threading.Lock()
         self.installed: Optional[Callable[..., Any]] = None  # our wrapper, wherever it sits in the chain
         self.previous: Any = _MISSING  # the class attribute our wrapper replaced
@@ -53,7 +67,7 @@ class ClassPatch:
 
     def _forget_if_removed(self, cls: type) -> None:
         if self.installed is not None and cls.__dict__.get(self.name, _MISSING) is self.previous:
-            logger.debug("hsoffload: %s.%s was restored by someone else; our patch is gone", cls.__qualname__, self.name)
+            logger.debug("hsoffload: %s.%s was restored by someone else; our patch is gone", _qualname(cls), self.name)
             self.installed, self.previous, self.active = None, _MISSING, False
 
     def install(self) -> bool:
@@ -68,14 +82,19 @@ class ClassPatch:
                 return True
             previous = cls.__dict__.get(self.name, _MISSING)
             if previous is _MISSING and not (self._inherited_ok and hasattr(cls, self.name)):
+                if self._missing_ok:
+                    log_once(f"classpatch-missing:{_qualname(cls)}.{self.name}", logging.INFO,
+                             "hsoffload: %s has no %s (another version): that part stays stock", _qualname(cls),
+                             self.name)
+                    return False
                 raise AttributeError(
-                    f"hsoffload: {cls.__module__}.{cls.__qualname__} has no {self.name} to patch{self._missing_hint}"
+                    f"hsoffload: {_qualname(cls)} has no {self.name} to patch{self._missing_hint}"
                 )
             wrapper = self._make(getattr(cls, self.name) if previous is _MISSING else previous, self)
             setattr(wrapper, PATCH_ATTR, True)
             self.installed, self.previous, self.active = wrapper, previous, True
             setattr(cls, self.name, wrapper)
-            logger.debug("hsoffload: patched %s.%s (chaining through %r)", cls.__qualname__, self.name, previous)
+            logger.debug("hsoffload: patched %s.%s (chaining through %r)", _qualname(cls), self.name, previous)
             return True
 
     def remove(self) -> bool:
@@ -98,7 +117,7 @@ class ClassPatch:
             logger.warning(
                 "hsoffload: %s.%s was patched again after hsoffload (%r); hsoffload's wrapper now only forwards "
                 "inside that chain instead of being removed",
-                cls.__qualname__,
+                _qualname(cls),
                 self.name,
                 cls.__dict__.get(self.name),
             )

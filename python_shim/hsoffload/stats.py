@@ -77,7 +77,7 @@ class BudgetStats:
 
 @dataclasses.dataclass(frozen=True)
 class CpuMeterStats:
-    """The CPU meter (`torch.classes.hsoffload.OffloadScope.cpu_meter_stats()`): what the counting CPU allocator lent
+    """The CPU meter (`torch.ops.hsoffload.cpu_meter_stats()`): what the counting CPU allocator lent
     since it was installed (policy "auto" reads it when the device is the CPU)."""
 
     installed: bool = False

@@ -44,6 +44,7 @@ import torch
 from .._logging import log_once as _log_once
 from ..classpatch import ClassPatch
 from .fsdp_modes import DropFlaggedWrites, LazyPlaceholders
+from .. import engine as _engine
 from ..stats import InitSkipStats, from_engine
 from ..targets import pretrained_model_class
 
@@ -220,13 +221,13 @@ def _mark_fully_flagged_modules(model: torch.nn.Module, is_flagged: Callable[[to
 # --------------------------------------------------------------------------- the wrappers
 
 
-def _decide(model: torch.nn.Module, tensors: list[torch.Tensor]) -> tuple[Any, list[bool]]:
+def _decide(model: torch.nn.Module, tensors: list[torch.Tensor]) -> tuple[_engine.InitSkipRecord, list[bool]]:
     facts = rank_facts()
-    record = torch.classes.hsoffload.InitSkipRecord()
-    flags = torch.ops.hsoffload.skip_init_non_rank0(
+    record = _engine.InitSkipRecord()
+    flags = _engine.skip_init_non_rank0(
         tensors, facts.rank, facts.local_rank, facts.fsdp_enabled, facts.cpu_ram_efficient_loading, record
     )
-    return record, list(flags)
+    return record, flags
 
 
 def _holds_placeholders(tensors: list[torch.Tensor], flags: list[bool]) -> bool:
@@ -329,8 +330,8 @@ def _make_move_missing_keys(original: Callable[..., Any], patch: ClassPatch) -> 
         if not patch.active or _is_quantized_call(args, kwargs) or _quantizer_arg(args, kwargs):
             return original(self, *args, **kwargs)
         facts = rank_facts()
-        record = torch.classes.hsoffload.InitSkipRecord()
-        torch.ops.hsoffload.skip_init_non_rank0(
+        record = _engine.InitSkipRecord()
+        _engine.skip_init_non_rank0(
             [], facts.rank, facts.local_rank, facts.fsdp_enabled, facts.cpu_ram_efficient_loading, record
         )
         if not record.skip():

@@ -18,6 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import engine as _engine
 from .._logging import log_once
 
 
@@ -58,7 +59,7 @@ class DropFlaggedWrites(TorchDispatchMode):
     in init code) cannot be dropped: it runs, and is logged.
     """
 
-    def __init__(self, record: Any) -> None:
+    def __init__(self, record: _engine.InitSkipRecord) -> None:
         super().__init__()
         self._record = record
 
@@ -151,7 +152,7 @@ class LazyPlaceholders(TorchFunctionMode):
                     if kwargs.get("dtype") in (None, src.dtype)
                     else torch.empty_like(src, device="meta", dtype=kwargs["dtype"])
                 )
-                out = torch.classes.hsoffload.InitSkipRecord.lazy_zeros_like(like)
+                out = _engine.lazy_zeros_like(like)
                 self.count += 1
                 self.nbytes += out.numel() * out.element_size()
                 self.storages.add(out.untyped_storage().data_ptr())

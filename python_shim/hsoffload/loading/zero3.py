@@ -47,7 +47,7 @@ while the other ranks go on into their next collective and wait there for a rank
   parameter's `ds_shape`) from what it holds (rank 0 the tensors, the others their meta copies) and raises the same
   error naming the tensors and what to do; `ignore_mismatched_sizes=True` leaves size-mismatched tensors to the
   model's initialisation as transformers does without ZeRO-3;
-- a status all-reduce (`_agree`) runs after rank 0 read the checkpoint, after the load, and around every
+- a status all-reduce (`_agree`, in zero3_collectives.py) runs after rank 0 read the checkpoint, after the load, and around every
   gather/scatter of `RootGatheredParameters`: when a rank failed, every rank raises at the same point (the failed
   rank its own exception, the others a `Zero3LoadError` quoting its message and where it failed, broadcast with
   `broadcast_object_list`);
@@ -72,11 +72,15 @@ persistent parameters (`ds_persist`: kept whole on every rank), non-contiguous p
 `GatheredParameters` anywhere but inside the two transformers functions above (elsewhere every rank may read the
 gathered values). Thread-safety: the swapped `GatheredParameters` is used only by the thread inside a patched
 transformers call (a thread-local flag); the counters take a lock.
+
+The rooms: this module holds the public API, the two collectives' patches (zero.Init's scatter,
+`RootGatheredParameters`) and the patch table (each patch one `ClassPatch`); `zero3_collectives.py` the geometry,
+the status checks and the counters; `zero3_checksums.py` the verification; `zero3_checkpoint.py` the
+`from_pretrained` side. Their names used by tests are this module's too.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -86,6 +90,14 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from .._logging import log_once
+from ..classpatch import ClassPatch
+from .zero3_checkpoint import (_check_checkpoint, _hf_ds_module, _make_checked_load, _make_load_pretrained,  # noqa: F401
+                               _make_meta_load, _make_outer)
+from .zero3_checksums import _checksum, _slice_checksums, _verify_partitions, _VerifyBuffers  # noqa: F401
+from .zero3_collectives import (_AGREED, Zero3LoadError, Zero3LoadStats, Zero3StatusTimeout,  # noqa: F401
+                                _add, _agree, _agreed, _armed, _armed_call, _comm_device, _decide, _defer, _dist,
+                                _finish_receive, _group_facts, _label, _Named, _receive_buffer, _send_buffers,
+                                _settings, _valid, reset_stats, stats)
 
 logger = logging.getLogger("hsoffload")
 
@@ -93,311 +105,16 @@ __all__ = ["RootGatheredParameters", "Zero3LoadError", "Zero3LoadStats", "is_pat
            "unpatch"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Zero3LoadStats:
-    """What the patched collectives did in this process since `reset_stats()` (or the first `patch()`)."""
-
-    scattered_params: int = 0  # Init._zero_init_param calls that scattered instead of broadcasting
-    gathered_params: int = 0  # parameters gathered to rank 0 instead of all-gathered (GatheredParameters)
-    received_params: int = 0  # of both: parameters this rank received only its slice of (skip_init_zero3 said skip)
-    received_bytes: int = 0  # bytes of those slices
-    skipped_full_bytes: int = 0  # full-size bytes this rank did not write (full parameter bytes - its slices)
-    stock_params: int = 0  # parameters left to DeepSpeed's own collectives (see the module docstring)
-    meta_read_tensors: int = 0  # from_pretrained: checkpoint entries this rank read as meta (shape and dtype only)
-    meta_read_bytes: int = 0  # their bytes, which this rank did not read
-    real_read_tensors: int = 0  # entries it read for real: the model's persistent buffers (copied on every rank)
-    status_checks: int = 0  # status all-reduces this rank took part in (a rank's failure raises on every rank)
-    checked_tensors: int = 0  # from_pretrained: checkpoint entries whose shape and dtype were checked before loading
-    verified_params: int = 0  # patch(verify=True): partitions compared with rank 0's slice (one per parameter scatter)
-
-
-_stats_lock = threading.Lock()
-_counts: dict[str, int] = {f.name: 0 for f in dataclasses.fields(Zero3LoadStats)}
-
-
-def _add(**deltas: int) -> None:
-    with _stats_lock:
-        for key, value in deltas.items():
-            _counts[key] += value
-
-
-def stats() -> Zero3LoadStats:
-    """The counters now (see Zero3LoadStats)."""
-    with _stats_lock:
-        return Zero3LoadStats(**_counts)
-
-
-def reset_stats() -> None:
-    with _stats_lock:
-        for key in _counts:
-            _counts[key] = 0
-
-
-# --------------------------------------------------------------------------- decision and geometry
-
-
-def _dist() -> Any:
-    return torch.distributed
-
-
-def _group_facts(group: Any) -> tuple[int, int, int]:
-    """(rank in `group`, its size, the global rank of its rank 0)."""
-    dist = _dist()
-    return dist.get_rank(group=group), dist.get_world_size(group=group), dist.get_global_rank(group, 0)
-
-
-def _decide(tensor: torch.Tensor, group_rank: int) -> bool:
-    """Whether this rank only receives its slice of `tensor` (the engine's decision, docs/ops.md). The collectives
-    need every rank but group rank 0 to receive: a decision that says otherwise is our bug, not the caller's."""
-    skip = bool(torch.ops.hsoffload.skip_init_zero3([tensor], group_rank, True)[0])
-    if skip != (group_rank != 0):
-        raise RuntimeError(f"hsoffload.zero3_loading: internal error: skip_init_zero3 decided skip={skip} for group "
-                           f"rank {group_rank} of a {tuple(tensor.shape)} {tensor.layout} tensor")
-    if skip:
-        log_once("zero3-receive", logging.INFO,
-                 "hsoffload.zero3_loading: group rank %d receives only its partitions from rank 0", group_rank)
-    return skip
-
-
-def _valid(numel: int, part: int, rank: int) -> int:
-    """How many of rank `rank`'s `part` elements lie inside a parameter of `numel` elements (the rest is padding)."""
-    return max(0, min(part, numel - rank * part))
-
-
-def _comm_device() -> torch.device:
-    """Where DeepSpeed's own collectives put their buffers (the accelerator's current device; the CPU on DeepSpeed's
-    CPU accelerator). A partition kept elsewhere (ZeRO-Offload on the host under NCCL) travels through a copy."""
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
-
-
 def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every buffer the loading collectives allocate for themselves (receive buffers, rank 0's own slice and padded
-    slices, the verification's checksums) comes from here, before the first scatter it serves; tests cap it."""
+    slices, the verification's checksums) comes from here, before the first scatter it serves; tests cap it (they
+    replace this module's `_scratch`: every caller passes it at call time)."""
     return torch.empty(numel, dtype=dtype, device=device)
-
-
-def _receive_buffer(target: torch.Tensor, valid: int, part: int) -> torch.Tensor:
-    """Where this rank's scatter of `part` elements lands: `target` (1-D) itself when the slice has no padding and
-    `target` is contiguous on the communication device, else a scratch buffer (a padded last partition, a partition
-    kept on the host under ZeRO-Offload). Allocated before the scatter, so that a failure is agreed before it."""
-    device = _comm_device()
-    if valid == part and target.numel() == part and target.is_contiguous() and target.device == device:
-        return target
-    return _scratch(part, target.dtype, device)
-
-
-def _finish_receive(target: torch.Tensor, buf: torch.Tensor, valid: int) -> int:
-    """Copy the first `valid` received elements from `buf` into `target` (nothing when it received in place).
-    Returns the bytes written."""
-    if buf is not target and valid > 0:
-        target.narrow(0, 0, valid).copy_(buf.narrow(0, 0, valid))
-    return valid * target.element_size()
-
-
-def _send_buffers(flat: torch.Tensor, part: int, world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Rank 0's scatter list (each rank's slice of `flat` as bytes, a padded copy where the slice is short) and the
-    buffer its own slice lands in (never an alias of the input), allocated before the scatter."""
-    pieces = []
-    for r in range(world):
-        n = _valid(flat.numel(), part, r)
-        if n == part:
-            pieces.append(flat.narrow(0, r * part, part).view(torch.uint8))
-        else:
-            buf = _scratch(part, flat.dtype, flat.device)
-            buf.narrow(0, n, part - n).zero_()
-            if n > 0:
-                buf.narrow(0, 0, n).copy_(flat.narrow(0, r * part, n))
-            pieces.append(buf.view(torch.uint8))
-    return pieces, _scratch(part, flat.dtype, flat.device)
-
-
-# --------------------------------------------------------------------------- failing together, verifying
-
-
-class Zero3LoadError(RuntimeError):
-    """Raised on a rank whose own part succeeded while another rank failed: the message quotes that rank's error."""
-
-
-_settings: dict[str, Any] = {"verify": False, "failure_wait_s": 60.0}  # patch(...)
-_AGREED = "_hsoffload_zero3_agreed"  # set on an exception every rank raised at the same status check
-
-
-def _agreed(exc: BaseException) -> bool:
-    return bool(getattr(exc, _AGREED, False))
-
-
-def _mark(exc: BaseException) -> BaseException:
-    try:
-        setattr(exc, _AGREED, True)
-    except AttributeError:  # an exception type without a __dict__: the caller's next status check still matches
-        pass
-    return exc
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-_pending = threading.local()  # .failure: a rank-local failure after a scatter of zero.Init, raised at the next check
-
-
-def _defer(failure: BaseException) -> None:
-    """Keep a failure of a step after a collective (where no status check follows at once) for the next status check
-    on this thread, which every rank runs at the same point: it raises there on every rank."""
-    if getattr(_pending, "failure", None) is None:
-        _pending.failure = failure
-
-
-class Zero3StatusTimeout(Zero3LoadError):
-    """A rank that failed before the others could reach a status check waited for them no longer than its bound."""
-
-
-def _agree(failure: Optional[BaseException], stage: str, group: Any = None,
-           timeout_s: Optional[float] = None) -> None:
-    """A status check: every rank of `group` (default: the world) calls it at the same point of the same code. When no
-    rank failed, returns. Otherwise every rank raises here: a rank that failed its own exception, the others a
-    Zero3LoadError quoting the message of the lowest failed rank (broadcast from it), so that none goes on into a
-    collective the failed ranks will never join. A failure deferred on this thread (`_defer`) counts as this call's.
-
-    `timeout_s` bounds the wait of a rank that failed where the others may not be at a status check (before the model
-    exists): past it, it raises its own failure with a note instead of waiting for the collectives' timeout."""
-    dist = _dist()
-    deferred = getattr(_pending, "failure", None)
-    if deferred is not None:
-        _pending.failure = None
-        failure = failure or deferred
-    world = dist.get_world_size(group=group)
-    rank = dist.get_rank(group=group)
-    flag = torch.tensor([rank if failure is not None else world], dtype=torch.int64, device=_comm_device())
-    if timeout_s is None:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    else:
-        import datetime  # noqa: PLC0415
-
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except Exception as wait_error:  # noqa: BLE001  (the timeout, or a peer that is gone)
-            note = (f"hsoffload.zero3_loading: this rank (rank {dist.get_rank()}) failed while {stage}, and the other "
-                    f"ranks did not reach a status check within {timeout_s:g} s ({_describe(wait_error)}); they may "
-                    "wait in their next collective until its timeout: stop them (or let the launcher do it) and fix "
-                    "this rank's error")
-            logger.error("%s: %s", note, _describe(failure) if failure is not None else "(no failure)")
-            if failure is None:
-                raise Zero3StatusTimeout(note) from wait_error
-            raise _mark(failure) from Zero3StatusTimeout(note)
-    _add(status_checks=1)
-    src = int(flag.item())
-    if src == world:
-        return
-    # the failed rank's message and its own stage (it may have failed elsewhere: before its model existed)
-    message = [(_describe(failure), stage) if rank == src and failure is not None else None]
-    src_global = dist.get_global_rank(group, src) if group is not None else src
-    dist.broadcast_object_list(message, src=src_global, group=group)
-    quoted, stage = message[0]
-    if failure is not None:
-        logger.error("hsoffload.zero3_loading: this rank failed while %s; every rank raises: %s", stage,
-                     _describe(failure))
-        raise _mark(failure)
-    raise _mark(Zero3LoadError(
-        f"hsoffload.zero3_loading: rank {src_global} failed while {stage}, so this rank (rank {dist.get_rank()}) "
-        f"stops too instead of waiting in a collective for it. Fix what rank {src_global} reports: {quoted}"))
-
-
-_CHECKSUM_CHUNK = 1 << 22  # bytes per step: the int64 temporaries stay at 8x this (32 MiB)
-_ADLER = 65521
-
-
-def _checksum(t: torch.Tensor) -> torch.Tensor:
-    """Position-weighted byte sums of `t` (int64[2], on its device): (sum of bytes, sum of byte * (index % 65521 + 1)).
-    Exact (integer), independent of the values' dtype (NaN compares equal to itself), sensitive to moved bytes."""
-    b = t.detach().contiguous().view(-1).view(torch.uint8)
-    out = torch.zeros(2, dtype=torch.int64, device=b.device)
-    for start in range(0, b.numel(), _CHECKSUM_CHUNK):
-        c = b[start:start + _CHECKSUM_CHUNK].to(torch.int64)
-        w = torch.arange(start, start + c.numel(), dtype=torch.int64, device=b.device).remainder_(_ADLER).add_(1)
-        out[0] += c.sum()
-        out[1] += (c * w).sum()
-    return out
-
-
-@dataclasses.dataclass
-class _VerifyBuffers:
-    """The verification's buffers for `count` parameters, allocated before the scatters it follows: this rank's
-    checksums (`local`), rank 0's gathered ones (`got`), and a zero checksum standing in for one a failed step did not
-    compute (the gather still runs; the failure is raised at the status check)."""
-
-    local: torch.Tensor
-    got: Optional[list[torch.Tensor]]
-    zero: torch.Tensor
-
-    @staticmethod
-    def allocate(count: int, world: int, is_src: bool) -> "_VerifyBuffers":
-        device = _comm_device()
-        local = _scratch(count * 2, torch.int64, device).view(count, 2).zero_()
-        got = [_scratch(count * 2, torch.int64, device).view(count, 2) for _ in range(world)] if is_src else None
-        return _VerifyBuffers(local, got, _scratch(2, torch.int64, device).zero_())
-
-
-def _verify_partitions(labels: list[str], mine: list[torch.Tensor], expected: Optional[list[list[torch.Tensor]]],
-                       src: int, group: Any, buffers: _VerifyBuffers) -> Optional[Exception]:
-    """Gather every rank's partition checksums (`mine`, one per parameter) to group rank 0 (global rank `src`),
-    which compares them with `expected[rank][i]`, the checksums of its slices of the full values it scattered.
-    Returns rank 0's mismatch error, or the error of a local step (None when all match): the caller's status check
-    raises it everywhere. The gather runs whatever failed here."""
-    dist = _dist()
-    world = dist.get_world_size(group=group)
-    failure: Optional[Exception] = None
-    try:
-        for i, c in enumerate(mine):
-            buffers.local[i].copy_(c)
-    except Exception as e:  # noqa: BLE001
-        failure = e
-    _add(verified_params=len(mine))
-    dist.gather(buffers.local, buffers.got, dst=src, group=group)
-    if expected is None or buffers.got is None or failure is not None:
-        return failure
-    try:
-        bad = []
-        for r in range(world):
-            for i in range(len(mine)):
-                got, want = buffers.got[r][i], expected[r][i].to(buffers.got[r].device)
-                if not torch.equal(got, want):
-                    bad.append(f"{labels[i]} on group rank {r}: partition checksum {got.tolist()}, rank 0's slice "
-                               f"{want.tolist()}")
-    except Exception as e:  # noqa: BLE001
-        return e
-    if not bad:
-        return None
-    return RuntimeError(
-        "hsoffload.zero3_loading: verify=True found partitions that differ from the values rank 0 scattered: "
-        + "; ".join(bad[:8]) + (f" (and {len(bad) - 8} more)" if len(bad) > 8 else "")
-        + ". This is a bug in the loading collectives (please report it with this message); unpatch() loads with "
-        "DeepSpeed's own collectives meanwhile.")
-
-
-def _slice_checksums(flat: torch.Tensor, part: int, world: int) -> list[torch.Tensor]:
-    """Rank 0: the checksum of each rank's slice of `flat` (its valid elements, without padding)."""
-    return [_checksum(flat[r * part:r * part + _valid(flat.numel(), part, r)]) for r in range(world)]
 
 
 # For tests only: after_receive(label, partition) runs on a receiving rank after each slice a RootGatheredParameters
 # exit wrote (the worker corrupts one byte to prove that verify=True notices).
 _TEST_HOOKS: dict[str, Optional[Callable[[str, torch.Tensor], None]]] = {"after_receive": None}
-
-_names = threading.local()  # .by_id: {id(param): name} while a patched transformers function runs
-
-
-def _label(p: Any) -> str:
-    """The parameter's name where a patched transformers function told us, else its ds_id and shape."""
-    name = (getattr(_names, "by_id", None) or {}).get(id(p))
-    shape = tuple(getattr(p, "ds_shape", p.shape))
-    return f"{name} {shape}" if name else f"parameter ds_id={getattr(p, 'ds_id', '?')} {shape}"
-
-
-# --------------------------------------------------------------------------- zero.Init: scatter, not broadcast
 
 
 def _init_stock_reason(init: Any, param: torch.Tensor) -> str:
@@ -456,14 +173,14 @@ def _make_zero_init_param(original: Callable[..., Any], patch: Any) -> Callable[
                 # allocator). Rank 0's values then go straight into the partition.
                 param.partition()
                 target = param.ds_tensor
-                buf = _receive_buffer(target, valid, part)
+                buf = _receive_buffer(target, valid, part, _scratch)
             else:
                 flat = param.data.view(-1)
-                pieces, own = _send_buffers(flat, part, world)
+                pieces, own = _send_buffers(flat, part, world, _scratch)
                 if verify:
                     expected = [[c] for c in _slice_checksums(flat, part, world)]
             if verify:
-                checks = _VerifyBuffers.allocate(1, world, not receives)
+                checks = _VerifyBuffers.allocate(1, world, not receives, _scratch)
         except Exception as e:  # noqa: BLE001  (raised on every rank by the status check)
             failure = e
         _agree(failure, f"allocating the buffers of zero.Init's scatter of {_label(param)}", group)
@@ -497,12 +214,6 @@ def _make_zero_init_param(original: Callable[..., Any], patch: Any) -> Callable[
             _defer(failure)  # the next status check (the next parameter's, or the load's) raises it on every rank
 
     return _zero_init_param
-
-
-# ------------------------------------------------------------------ GatheredParameters(modifier_rank=0) on rank 0 only
-
-
-_armed = threading.local()  # .depth > 0 while this thread runs a patched transformers function
 
 
 class RootGatheredParameters:
@@ -599,10 +310,10 @@ class RootGatheredParameters:
                 part = p.ds_tensor.ds_numel
                 step = _ExitStep(p, part, _valid(p.ds_numel, part, rank))
                 if full is None:
-                    step.buf = _receive_buffer(p.ds_tensor, step.valid, part)
+                    step.buf = _receive_buffer(p.ds_tensor, step.valid, part, _scratch)
                 elif failure is None:  # rank 0 after a body that succeeded
                     flat = _flat_values(p)
-                    step.pieces, step.buf = _send_buffers(flat, part, world)
+                    step.pieces, step.buf = _send_buffers(flat, part, world, _scratch)
                     if verify:
                         expected = expected or [[] for _ in range(world)]
                         for r, c in enumerate(_slice_checksums(flat, part, world)):
@@ -610,7 +321,7 @@ class RootGatheredParameters:
                 steps.append(step)
             if verify and self._params:
                 checks = _VerifyBuffers.allocate(len(steps), _dist().get_world_size(group=self._group()),
-                                                 any(full is not None for full in full_copies))
+                                                 any(full is not None for full in full_copies), _scratch)
         except Exception as e:  # noqa: BLE001  (raised on every rank by the status check)
             failure = failure or e
         if failure is not None:
@@ -739,391 +450,6 @@ def _gather_stock_reason(params: list[Any], modifier_rank: Optional[int], fwd_mo
 _STOCK_GATHERED: list[Any] = [None]  # DeepSpeed's GatheredParameters, while ours is swapped in
 
 
-def _armed_call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run `func` with `deepspeed.zero.GatheredParameters` answered by RootGatheredParameters on this thread."""
-    _armed.depth = getattr(_armed, "depth", 0) + 1
-    try:
-        return func(*args, **kwargs)
-    finally:
-        _armed.depth -= 1
-
-
-# ------------------------------------------------------------------ from_pretrained / from_config: failing together
-
-
-_outer = threading.local()  # .depth: nesting of the patched from_pretrained / _from_config on this thread
-
-
-def _zero3_world() -> bool:
-    """ZeRO-3 on (an HfDeepSpeedConfig alive) with more than one rank: where the outermost load agrees."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    dist = _dist()
-    return is_deepspeed_zero3_enabled() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _make_outer(previous: Any, patch: Any, on_success: bool = True) -> Any:
-    """`PreTrainedModel.from_pretrained` / `_from_config` (classmethods) ending with a status check on every rank.
-
-    A rank that fails before its model exists (a checkpoint file missing on its node, its config, zero.Init) raises
-    out of here while the others build theirs: its status check meets theirs before zero.Init's first scatter (every
-    parameter's scatter is preceded by one), so every rank raises its error. Where they are in a collective that is
-    not a status check, it waits `failure_wait_s` at most and raises its own error with a note (the others then stay
-    until their collective's timeout, as stock). A success ends with one status check too: a failure deferred after
-    the last scatter of zero.Init raises on every rank there (`on_success`; not for AutoConfig, which a script may
-    call on one rank alone)."""
-    func = previous.__func__
-
-    @functools.wraps(func)
-    def outer(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        depth = getattr(_outer, "depth", 0)
-        if not patch.active or depth > 0 or not _zero3_world():
-            return func(cls, *args, **kwargs)
-        _outer.depth = depth + 1
-        try:
-            try:
-                result = func(cls, *args, **kwargs)
-            except Exception as e:
-                if _agreed(e):
-                    raise
-                _agree(e, f"building the model ({cls.__name__}.{func.__name__}: before the other ranks' status "
-                       "check, e.g. resolving its files, reading its config, zero.Init)",
-                       timeout_s=_settings["failure_wait_s"])
-                raise
-            if on_success:
-                _agree(None, f"finishing {cls.__name__}.{func.__name__}")
-            return result
-        finally:
-            _outer.depth = depth
-
-    return classmethod(outer)
-
-
-# ------------------------------------------------------------------ from_pretrained: no weight reads off rank 0
-
-
-_meta_read = threading.local()  # .buffers: checkpoint keys to read for real while a receiving rank loads
-
-
-def _persistent_buffer_keys(model: torch.nn.Module) -> set[str]:
-    """The model's persistent buffers under the names a checkpoint may use (with and without the base model
-    prefix, as `_load_state_dict_into_zero3_model` maps them)."""
-    persistent = set(model.state_dict(keep_vars=True))
-    names = {name for name, _ in model.named_buffers()} & persistent
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    return names | {n[len(prefix) + 1:] for n in names if prefix and n.startswith(prefix + ".")}
-
-
-_load_ctx = threading.local()  # .pending: inside from_pretrained, before its first status check; .mismatched
-
-
-def _zero3_distributed(load_config: Any) -> bool:
-    """Transformers' ZeRO-3 loading path (ZeRO-3, not quantized) with more than one rank: where the status checks
-    and the checkpoint check run."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    dist = _dist()
-    return (is_deepspeed_zero3_enabled() and not getattr(load_config, "is_quantized", False)
-            and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-
-
-def _make_load_pretrained(previous: Any, patch: Any) -> Any:
-    func = previous.__func__ if isinstance(previous, staticmethod) else previous
-
-    @functools.wraps(func)
-    def _load_pretrained_model(model: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        load_config = args[1] if len(args) > 1 else kwargs.get("load_config")
-        if not patch.active or not _zero3_distributed(load_config):
-            return func(model, state_dict, *args, **kwargs)
-        if state_dict is None and _receives_weights_only(model, args, kwargs):
-            _meta_read.buffers = _persistent_buffer_keys(model)
-        _load_ctx.pending, _load_ctx.mismatched = True, []
-        try:
-            result = func(model, state_dict, *args, **kwargs)
-        except Exception as e:
-            # Failed before the first status check (rank 0 reading the checkpoint, typically): the other ranks wait
-            # in that check, inside _load_state_dict_into_zero3_model. Join it there, so they raise too.
-            if _agreed(e) or not _load_ctx.pending:
-                raise
-            _load_ctx.pending = False
-            _agree(e, "reading the checkpoint")
-            raise
-        finally:
-            _meta_read.buffers = None
-            _load_ctx.pending = False
-            mismatched, _load_ctx.mismatched = _load_ctx.mismatched, []
-        info = result[0] if isinstance(result, tuple) and result else None
-        if mismatched and hasattr(info, "mismatched_keys") and hasattr(info, "missing_keys"):
-            # ignore_mismatched_sizes=True: report them as transformers does without ZeRO-3 (they stay uninitialised
-            # partitions until _initialize_missing_keys, which initialises every parameter not loaded)
-            info.mismatched_keys.update(mismatched)
-            info.missing_keys.difference_update(name for name, _, _ in mismatched)
-        return result
-
-    return staticmethod(_load_pretrained_model) if isinstance(previous, staticmethod) else _load_pretrained_model
-
-
-def _dtype_kind(dtype: torch.dtype) -> str:
-    if dtype.is_complex:
-        return "complex"
-    if dtype.is_floating_point:
-        return "floating point"
-    return "bool" if dtype == torch.bool else "integer"
-
-
-def _converted(model: Any, state_dict: Any, load_config: Any) -> tuple[Any, Any]:
-    """The state dict with transformers' weight conversions applied (legacy renamings, expert fusion), as
-    `_load_state_dict_into_zero3_model` applies them before loading, and the config without them (so they are not
-    applied twice); (state_dict, load_config) unchanged where this transformers has no such function."""
-    mapping = getattr(load_config, "weight_mapping", None)
-    convert = getattr(_hf_ds_module(), "_apply_weight_conversions_to_state_dict", None)
-    if not mapping or convert is None or not dataclasses.is_dataclass(load_config):
-        return state_dict, load_config
-    metadata = getattr(state_dict, "_metadata", None)
-    copied = state_dict.copy()  # the conversion pops from the dict it is given
-    if metadata is not None:
-        copied._metadata = metadata
-    converted = convert(model, copied, mapping)
-    if not isinstance(converted, dict):
-        # transformers >= 5.23 yields one conversion's output at a time (so that it loads each before the next
-        # allocates). The check reads every entry before anything loads, so the parts are gathered here: rank 0 holds
-        # the converted checkpoint at once, as with the earlier releases' dict (docs/compatibility.md).
-        merged: Any = collections.OrderedDict()
-        for part in converted:
-            merged.update(part)
-        if metadata is not None:
-            merged._metadata = metadata
-        converted = merged
-    model._weight_conversions = mapping  # what transformers' function records for saving
-    return converted, dataclasses.replace(load_config, weight_mapping=None)
-
-
-def _check_checkpoint(model: Any, state_dict: Any, load_config: Any) -> tuple[Any, Any, list[Any]]:
-    """Compare every checkpoint entry that the model has with the model's tensor (a ZeRO-3 parameter's `ds_shape`,
-    as every rank holds it). Raises ValueError naming every mismatch; with `ignore_mismatched_sizes` drops the
-    size-mismatched entries instead (returned as (name, checkpoint shape, model shape)) so the model initialises
-    them. Every rank holds the same names, shapes and dtypes (rank 0 the tensors, the others meta copies): it raises
-    the same error on every rank. Entries the model does not have are dropped by transformers, as before."""
-    state_dict, load_config = _converted(model, state_dict, load_config)
-    expected = model.state_dict(keep_vars=True)
-    prefix = getattr(model, "base_model_prefix", None)
-    ignore = bool(getattr(load_config, "ignore_mismatched_sizes", False))
-    problems: list[str] = []
-    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-    drop: list[str] = []
-    checked = 0
-    for key, value in state_dict.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        name = f"{prefix}.{key}" if prefix and expected.get(f"{prefix}.{key}") is not None else key
-        target = expected.get(name)
-        if target is None:
-            continue
-        checked += 1
-        shape, got = tuple(getattr(target, "ds_shape", target.shape)), tuple(value.shape)
-        if got != shape:
-            if ignore:
-                drop.append(key)
-                mismatched.append((name, got, shape))
-                continue
-            problems.append(f"size mismatch for {name}: copying a param with shape {got} ({value.dtype}) from "
-                            f"checkpoint, the shape in current model is {shape} ({target.dtype})")
-        elif _dtype_kind(value.dtype) != _dtype_kind(target.dtype):
-            problems.append(f"dtype mismatch for {name}: the checkpoint holds {value.dtype} {got}, the model "
-                            f"{target.dtype} {shape} (a cast from {_dtype_kind(value.dtype)} to "
-                            f"{_dtype_kind(target.dtype)} would change what the values mean)")
-    _add(checked_tensors=checked)
-    if problems:
-        sizes = any(p.startswith("size") for p in problems)
-        raise ValueError(
-            f"hsoffload.zero3_loading: the checkpoint does not fit {type(model).__name__} (checked on every rank "
-            f"before loading; {len(problems)} of {checked} tensors): " + "; ".join(problems[:8])
-            + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-            + ". Load it with the config it was saved with (its config.json: check the model name and any config "
-            "overrides you pass)"
-            + (", or pass ignore_mismatched_sizes=True to from_pretrained to initialise the size-mismatched tensors "
-               "instead of loading them" if sizes else "")
-            + ("; a dtype mismatch needs a checkpoint converted to the model's dtypes"
-               if len(problems) > sum(p.startswith("size") for p in problems) else "") + ".")
-    if drop:
-        kept = state_dict.copy()
-        for key in drop:
-            del kept[key]
-        state_dict = kept
-        logger.warning("hsoffload.zero3_loading: ignore_mismatched_sizes=True: %d tensors are initialised, not "
-                       "loaded (shape in the checkpoint differs): %s", len(drop),
-                       ", ".join(f"{n} {c} -> {m}" for n, c, m in mismatched[:8]))
-    return state_dict, load_config, mismatched
-
-
-class _Named:
-    """Names of the model's parameters for the errors of this thread's status checks and verification."""
-
-    def __init__(self, model: Any) -> None:
-        named = getattr(model, "named_parameters", None)
-        self._by_id = {id(p): n for n, p in named()} if callable(named) else {}
-
-    def __enter__(self) -> None:
-        self._saved = getattr(_names, "by_id", None)
-        _names.by_id = self._by_id
-
-    def __exit__(self, *exc: Any) -> None:
-        _names.by_id = self._saved
-
-
-def _make_checked_load(original: Callable[..., Any], patch: Any) -> Callable[..., Any]:
-    """`_load_state_dict_into_zero3_model` with the checkpoint checked on every rank, status checks before and after
-    the load (rank 0 alone loads; its failure, its `error_msgs` included, raises on every rank) and the
-    parameters' names known to the verification."""
-
-    @functools.wraps(original)
-    def load(model_to_load: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        if not patch.active:
-            return original(model_to_load, state_dict, *args, **kwargs)
-        load_config = args[0] if args else kwargs.get("load_config")
-        if getattr(_load_ctx, "inside", False) or not _zero3_distributed(load_config):
-            # inside: transformers.modeling_utils imported after transformers.integrations.deepspeed was patched
-            # holds our wrapper of the latter as its "original": check and agree once per load
-            return _armed_call(original, model_to_load, state_dict, *args, **kwargs)
-        _load_ctx.inside = True
-        try:
-            return _checked_load(original, model_to_load, state_dict, args, kwargs)
-        finally:
-            _load_ctx.inside = False
-
-    return load
-
-
-def _checked_load(original: Callable[..., Any], model_to_load: Any, state_dict: Any, args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> Any:
-    _load_ctx.pending = False
-    failure: Optional[Exception] = None
-    mismatched: list[Any] = []
-    try:
-        load_config = args[0] if args else kwargs.get("load_config")
-        state_dict, checked_config, mismatched = _check_checkpoint(model_to_load, state_dict, load_config)
-        if checked_config is not load_config:  # the conversions are applied: not twice
-            if args:
-                args = (checked_config,) + args[1:]
-            else:
-                kwargs = {**kwargs, "load_config": checked_config}
-    except Exception as e:  # noqa: BLE001  (raised on every rank by the status check)
-        failure = e
-    _agree(failure, "reading and checking the checkpoint")
-    failure, result = None, None
-    try:
-        with _Named(model_to_load):
-            result = _armed_call(original, model_to_load, state_dict, *args, **kwargs)
-        error_msgs = result[0] if isinstance(result, tuple) and result else None
-        if error_msgs:  # rank 0's _load_from_state_dict: transformers raises them on rank 0 only, later
-            failure = RuntimeError(f"Error(s) in loading state_dict for {type(model_to_load).__name__}:\n\t"
-                                   + "\n\t".join(error_msgs))
-    except Exception as e:  # noqa: BLE001
-        if _agreed(e):
-            raise
-        failure = e
-    _agree(failure, "loading the checkpoint (rank 0's _load_from_state_dict)")
-    _load_ctx.mismatched = mismatched
-    return result
-
-
-def _receives_weights_only(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """ZeRO-3 (not quantized) and a rank other than 0, which `_load_state_dict_into_zero3_model` never loads on
-    (it tests the global rank): the op's decision with the global rank."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    load_config = args[1] if len(args) > 1 else kwargs.get("load_config")
-    dist = _dist()
-    if not is_deepspeed_zero3_enabled() or getattr(load_config, "is_quantized", False):
-        return False
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    first = next(iter(model.parameters()), None)
-    return first is not None and _decide(first, dist.get_rank())
-
-
-def _make_meta_load(original: Callable[..., Any], patch: Any) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def load_state_dict(checkpoint_file: Any, map_location: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
-        buffers = getattr(_meta_read, "buffers", None)
-        if not patch.active or buffers is None:
-            return original(checkpoint_file, map_location, *args, **kwargs)
-        if map_location == "meta":  # transformers >= 5.23 does it itself (and broadcasts the buffers from rank 0)
-            log_once("zero3-meta-read", logging.INFO, "hsoffload.zero3_loading: transformers reads the checkpoint as "
-                     "meta tensors on this rank itself; hsoffload's meta read stands aside")
-            state = original(checkpoint_file, map_location, *args, **kwargs)
-            _count_read([v for v in state.values() if isinstance(v, torch.Tensor) and v.is_meta], real=0)
-            return state
-        state = original(checkpoint_file, "meta", *args, **kwargs)
-        wanted = [k for k in state if k in buffers]
-        if wanted:
-            path = str(checkpoint_file)
-            if path.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                with safe_open(path, framework="pt") as f:
-                    for k in wanted:
-                        state[k] = f.get_tensor(k).to(map_location)
-            else:  # a pickled checkpoint cannot be read entry by entry
-                full = original(checkpoint_file, map_location, *args, **kwargs)
-                for k in wanted:
-                    state[k] = full[k]
-                del full
-        _count_read([v for k, v in state.items() if k not in buffers], real=len(wanted))
-        return state
-
-    return load_state_dict
-
-
-def _count_read(meta: list[torch.Tensor], real: int) -> None:
-    """The counters of one checkpoint file a receiving rank read: entries as meta (and their bytes, not read), for real."""
-    _add(meta_read_tensors=len(meta), meta_read_bytes=sum(v.numel() * v.element_size() for v in meta),
-         real_read_tensors=real)
-
-
-# --------------------------------------------------------------------------- patches
-
-
-class _AttrPatch:
-    """One attribute of a class or module wrapped by us: install wraps what is there, remove restores it exactly
-    while ours is on top (else ours turns into a pass-through)."""
-
-    def __init__(self, owner: Callable[[], Any], name: str, make: Callable[[Callable[..., Any], Any], Any]) -> None:
-        self._owner, self.name, self._make = owner, name, make
-        self.installed: Any = None
-        self.previous: Any = None
-        self.active = False
-
-    def install(self) -> bool:
-        """Wrap the attribute; False (nothing done, logged) where this DeepSpeed / transformers has none."""
-        owner = self._owner()
-        if self.installed is not None and owner.__dict__.get(self.name) is self.installed:
-            self.active = True
-            return True
-        if self.name not in owner.__dict__:
-            log_once(f"zero3-missing:{self.name}", logging.INFO,
-                     "hsoffload.zero3_loading: %s has no %s (another version): that part stays stock",
-                     getattr(owner, "__name__", owner), self.name)
-            return False
-        self.previous = owner.__dict__[self.name]
-        self.installed = self._make(self.previous, self)
-        self.active = True
-        setattr(owner, self.name, self.installed)
-        return True
-
-    def remove(self) -> bool:
-        if self.installed is None:
-            return False
-        owner = self._owner()
-        self.active = False
-        if owner.__dict__.get(self.name) is self.installed:
-            setattr(owner, self.name, self.previous)
-            self.installed = self.previous = None
-            return True
-        logger.warning("hsoffload.zero3_loading: %s was patched again after us; ours now only forwards", self.name)
-        return False
-
-
 def _init_class() -> Any:
     from deepspeed.runtime.zero.partition_parameters import Init
 
@@ -1134,12 +460,6 @@ def _ds_zero_module() -> Any:
     import deepspeed.runtime.zero as zero
 
     return zero
-
-
-def _hf_ds_module() -> Any:
-    import transformers.integrations.deepspeed as m
-
-    return m
 
 
 def _hf_modeling_module() -> Any:
@@ -1176,21 +496,26 @@ def _make_gathered(previous: Any, patch: Any) -> Any:
     return RootGatheredParameters
 
 
-ZERO_INIT_PARAM = _AttrPatch(_init_class, "_zero_init_param", _make_zero_init_param)
-GATHERED = _AttrPatch(_ds_zero_module, "GatheredParameters", _make_gathered)
-INITIALIZE_WEIGHTS = _AttrPatch(_hf_ds_module, "initialize_weights_zero3", _make_armed)
-LOAD_ZERO3 = _AttrPatch(_hf_ds_module, "_load_state_dict_into_zero3_model", _make_checked_load)
-LOAD_ZERO3_MODELING = _AttrPatch(_hf_modeling_module, "_load_state_dict_into_zero3_model", _make_checked_load)
-LOAD_PRETRAINED = _AttrPatch(_pretrained_model_class, "_load_pretrained_model", _make_load_pretrained)
-META_LOAD = _AttrPatch(_hf_modeling_module, "load_state_dict", _make_meta_load)
-FROM_PRETRAINED = _AttrPatch(_pretrained_model_class, "from_pretrained", _make_outer)
-FROM_CONFIG = _AttrPatch(_pretrained_model_class, "_from_config", _make_outer)
+# Every attribute ZeRO-3 loading wraps, each one ClassPatch (hsoffload.classpatch), installed in this order and removed
+# in the reverse; an attribute this DeepSpeed / transformers does not have stays stock (logged once).
+ZERO_INIT_PARAM = ClassPatch(_init_class, "_zero_init_param", _make_zero_init_param, missing_ok=True)
+GATHERED = ClassPatch(_ds_zero_module, "GatheredParameters", _make_gathered, missing_ok=True)
+INITIALIZE_WEIGHTS = ClassPatch(_hf_ds_module, "initialize_weights_zero3", _make_armed, missing_ok=True)
+LOAD_ZERO3 = ClassPatch(_hf_ds_module, "_load_state_dict_into_zero3_model", _make_checked_load, missing_ok=True)
+LOAD_ZERO3_MODELING = ClassPatch(_hf_modeling_module, "_load_state_dict_into_zero3_model", _make_checked_load,
+                                 missing_ok=True)
+LOAD_PRETRAINED = ClassPatch(_pretrained_model_class, "_load_pretrained_model", _make_load_pretrained, missing_ok=True)
+META_LOAD = ClassPatch(_hf_modeling_module, "load_state_dict", _make_meta_load, missing_ok=True)
+FROM_PRETRAINED = ClassPatch(_pretrained_model_class, "from_pretrained", _make_outer, missing_ok=True)
+FROM_CONFIG = ClassPatch(_pretrained_model_class, "_from_config", _make_outer, missing_ok=True)
 # The Auto classes read the config before they call the model class's: a config missing on one rank fails there
 # (each Auto model class has its own copy of from_pretrained; the config they read first comes from AutoConfig: a
 # failure there agrees, a success does not, since a config may be read on one rank alone)
-AUTO_CONFIG = _AttrPatch(_auto_config_class, "from_pretrained", functools.partial(_make_outer, on_success=False))
+AUTO_CONFIG = ClassPatch(_auto_config_class, "from_pretrained", functools.partial(_make_outer, on_success=False),
+                         missing_ok=True)
 _PATCHES = (ZERO_INIT_PARAM, GATHERED, INITIALIZE_WEIGHTS, LOAD_ZERO3, LOAD_ZERO3_MODELING, LOAD_PRETRAINED, META_LOAD,
             FROM_PRETRAINED, FROM_CONFIG, AUTO_CONFIG)
+
 _lock = threading.Lock()
 
 

@@ -14,12 +14,14 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import engine as _engine
+
 _UNSET = object()
 _probe: object = _UNSET
 
 
 def _choose_probe() -> Optional[Callable[[], bool]]:
-    if bool(torch.classes.hsoffload.OffloadScope.engine_detects_capture()):
+    if _engine.engine_detects_capture():
         return None
     accelerator = getattr(torch, "accelerator", None)
     current = accelerator.current_accelerator() if accelerator is not None else None

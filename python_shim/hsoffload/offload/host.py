@@ -1,6 +1,6 @@
 """Process-wide host memory for offload: the host pool and the host budget, and the process's counters.
 
-Thin readers and setters over the engine's static ops (`torch.classes.hsoffload.OffloadScope.*`). The pool is the
+Thin readers and setters over the engine's process-wide ops (through the door, `hsoffload.engine`). The pool is the
 pinned memory that holds host copies (bounded by the pool limit, `OffloadConfig.max_pool_bytes`); the budget bounds
 the offloaded bytes resident in it (`max_host_bytes`), past which packs spill or stay on the device.
 Thread-safety: the engine serialises every call. The state held here (the room left to other libraries such as
@@ -14,24 +14,27 @@ import dataclasses
 import logging
 import os
 import threading
+from types import ModuleType
 from typing import Optional, Union
 
 import torch
 
+from .. import engine
 from .._logging import log_once
 from ..options import AUTO_HOST_BUDGET_FRACTION, parse_bytes
-from ..stats import BudgetStats, OffloadStats, PoolStats, from_engine
+from ..stats import BudgetStats, OffloadStats, PoolStats
 
 logger = logging.getLogger("hsoffload")
 
 
-def _engine() -> type:
-    return torch.classes.hsoffload.OffloadScope
+def _engine() -> ModuleType:
+    """The engine's process-wide functions: the door (`hsoffload.engine`), for callers that read its figures raw."""
+    return engine
 
 
 def process_stats() -> OffloadStats:
     """Counters summed over every scope in this process."""
-    return from_engine(OffloadStats, _engine().process_stats())
+    return engine.process_stats()
 
 
 cumulative_stats = process_stats  # the name docs/usage.md used before process_stats
@@ -39,14 +42,14 @@ cumulative_stats = process_stats  # the name docs/usage.md used before process_s
 
 def pool_stats() -> PoolStats:
     """What the process-wide host pool holds now."""
-    return from_engine(PoolStats, _engine().pool_stats())
+    return engine.pool_stats()
 
 
 def set_pool_limit(max_pool_bytes: int) -> None:
     """Bound the process-wide host pool (bytes); idle slabs over the limit are released (pinned ones to the system).
     By default the pool's bound follows the host budget (`max_host_bytes` plus the slab granularity's 1/16); an
     explicit bound stops that, and -1 makes it follow the budget again."""
-    _engine().set_pool_limit(int(max_pool_bytes))
+    engine.set_pool_limit(int(max_pool_bytes))
 
 
 def reserve_host(nbytes: Union[int, str], pinned: Optional[bool] = None) -> int:
@@ -60,18 +63,18 @@ def reserve_host(nbytes: Union[int, str], pinned: Optional[bool] = None) -> int:
         raise ValueError("hsoffload.reserve_host: pass a number of bytes (or e.g. '8GiB'), not 'auto'")
     if pinned is None:
         pinned = bool(torch.accelerator.is_available()) if hasattr(torch, "accelerator") else False
-    free = int(_engine().reserve_host(int(value), bool(pinned)))
+    free = engine.reserve_host(int(value), bool(pinned))
     if free < int(value):
         logger.warning(
             "hsoffload: reserve_host(%d) got %d bytes: the host pool's limit (%d bytes, max_pool_bytes) stops it",
-            int(value), free, int(_engine().pool_limit()),
+            int(value), free, engine.pool_limit(),
         )
     return free
 
 
 def empty_pool() -> None:
     """Free every idle host buffer of the pool."""
-    _engine().empty_pool()
+    engine.empty_pool()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,7 +98,7 @@ def local_size() -> tuple[int, str]:
     """The number of ranks on this node and the variable it came from, as the engine decides it (the precedence is
     in docs/usage.md, "Host budget"), or (1, "") when no variable names it. Logs a warning once when this rank has a
     local rank but no local size: every rank then takes the whole node's share."""
-    ranks, name = _engine().local_size()
+    ranks, name = engine.local_size()
     if not name:
         held = [var for var in LOCAL_RANK_VARS if os.environ.get(var, "").strip()]
         if held:
@@ -134,7 +137,7 @@ def host_room() -> int:
 
 def budget_stats() -> BudgetStats:
     """The process-wide host budget now (an "auto" limit is resolved by this call if it was not yet)."""
-    stats = from_engine(BudgetStats, _engine().budget_stats())
+    stats = engine.budget_stats()
     with _auto_lock:
         ours = _auto_limit is not None and not stats.is_auto and stats.limit == _auto_limit
     if ours:
@@ -148,13 +151,13 @@ def set_host_budget(max_host_bytes: Union[int, str]) -> None:
     value = parse_bytes(max_host_bytes, "max_host_bytes")
     with _auto_lock:
         _auto_limit = None
-    _engine().set_host_budget(-1 if value == "auto" else int(value))
+    engine.set_host_budget(-1 if value == "auto" else int(value))
 
 
 def _resolve_auto() -> BudgetStats:
     """Resolve an auto budget with the room left to others (see above); the engine's own figure without room."""
     global _auto_limit
-    engine_stats = from_engine(BudgetStats, _engine().budget_stats())  # resolves the engine's auto
+    engine_stats = engine.budget_stats()  # resolves the engine's auto
     if not engine_stats.is_auto:
         return budget_stats()
     room = host_room()
@@ -162,7 +165,7 @@ def _resolve_auto() -> BudgetStats:
         return engine_stats  # the engine's own figure is right
     local = engine_stats.local_world_size
     limit = max(0, int((engine_stats.mem_available - room * local) * AUTO_HOST_BUDGET_FRACTION) // local)
-    _engine().set_host_budget(limit)
+    engine.set_host_budget(limit)
     with _auto_lock:
         _auto_limit = limit
     return budget_stats()

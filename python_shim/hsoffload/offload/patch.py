@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import current
+from .. import engine as _engine
 from .._logging import log_once
 from . import diagnostics
 from . import layers as _layers
@@ -67,7 +68,7 @@ def _mark_hidden_state(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Marks a decoder layer's hidden_states (every path that marks one goes through here), warning once past the
     kernels' 32-bit index wall."""
     diagnostics.report_index_wall(layer, x)
-    return torch.ops.hsoffload.mark_hidden_state(x)
+    return _engine.mark_hidden_state(x)
 
 
 def _pass_hidden_states_first(layer: torch.nn.Module, args: tuple, kwargs: dict, mark: bool) -> tuple:

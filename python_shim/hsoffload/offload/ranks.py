@@ -22,9 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
-
-def _dist_ready() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+from ..collectives import all_reduce_values
+from ..collectives import dist_ready as _dist_ready
 
 
 class Ranks:
@@ -44,9 +43,7 @@ class Ranks:
     def _reduce(self, values: Sequence[float], op: "torch.distributed.ReduceOp") -> list[float]:
         if self.size == 1:
             return [float(v) for v in values]
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._device)
-        torch.distributed.all_reduce(t, op=op)
-        return t.tolist()
+        return all_reduce_values([float(v) for v in values], op, device=self._device)
 
     def max(self, values: Sequence[float]) -> list[float]:
         """Each value's largest over the ranks."""

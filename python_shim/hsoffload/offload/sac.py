@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .. import engine as _engine
 from .._logging import log_once, was_logged
 from .current import current_scope
 from .policy import offloads_sac_saves
@@ -175,7 +176,7 @@ class SacHandle:
 
     def unpack(self) -> torch.Tensor:
         self.call.read.add(self.key)
-        return torch.ops.hsoffload.offload_unpack(self.handle)
+        return _engine.offload_unpack(self.handle)
 
 
 # ------------------------------------------------------------------------------------------------ the policy wrapper
@@ -375,7 +376,7 @@ class _OffloadedEntry:
         self.tree, self.handles, self.call, self.key = tree, handles, pending.call, pending.key
 
     def restore(self) -> Any:
-        unpack = torch.ops.hsoffload.offload_unpack
+        unpack = _engine.offload_unpack
         for wrapper, handle in self.handles:
             wrapper.val = unpack(handle)  # the engine's version check raises if the source was mutated in place
             wrapper.version = wrapper.val._version

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from . import cuda_capture, current, diagnostics
+from .. import engine as _engine
 from .._logging import log_once
 from .config import OffloadConfig
 from .cuda_graph_trees import owned_by_cudagraph_tree, trees_loaded
@@ -52,7 +53,7 @@ class _DTensorHandle:
     def unpack(self) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        return DTensor(torch.ops.hsoffload.offload_unpack(self.local), self.spec, requires_grad=self.requires_grad)
+        return DTensor(_engine.offload_unpack(self.local), self.spec, requires_grad=self.requires_grad)
 
 
 def _dtensor_class() -> Optional[type]:
@@ -63,7 +64,7 @@ def _dtensor_class() -> Optional[type]:
     return DTensor
 
 
-def _pack_subclass(engine: Any, x: torch.Tensor, scope_id: int) -> Any:
+def _pack_subclass(engine: _engine.EngineScope, x: torch.Tensor, scope_id: int) -> Any:
     """Tensor subclasses: a marked DTensor offloads its local shard and comes back as a DTensor with the same mesh,
     placements and metadata; every other subclass goes to the engine, which passes it through untouched (counted
     in skipped_marked_tensors when marked, logged once at scope exit). A DTensor counts as marked when the wrapper
@@ -74,8 +75,8 @@ def _pack_subclass(engine: Any, x: torch.Tensor, scope_id: int) -> Any:
         local = x._local_tensor
         if engine.is_marked(x) or engine.is_marked(local):
             engine.mark(local)
-            return _DTensorHandle(torch.ops.hsoffload.offload_pack(local, scope_id), x._spec, x.requires_grad)
-    return torch.ops.hsoffload.offload_pack(x, scope_id)
+            return _DTensorHandle(_engine.offload_pack(local, scope_id), x._spec, x.requires_grad)
+    return _engine.offload_pack(x, scope_id)
 
 
 class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
@@ -93,10 +94,10 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             raise TypeError("hsoffload: pass either config= or keyword options, not both")
         self.config = config if config is not None else OffloadConfig(**kwargs)
         c = self.config
-        self._scope = torch.classes.hsoffload.OffloadScope(**c.engine_kwargs())  # by name: the table's engine options
-        scope_id = int(self._scope.id())
-        pack_op = torch.ops.hsoffload.offload_pack.default
-        unpack_op = torch.ops.hsoffload.offload_unpack.default
+        self._scope = _engine.EngineScope(**c.engine_kwargs())  # by name: the table's engine options
+        scope_id = self._scope.id()
+        pack_op = _engine.offload_pack
+        unpack_op = _engine.offload_unpack
         engine = self._scope
         plain = (torch.Tensor, torch.nn.Parameter)
         self.layer_tracker = LayerTracker(engine, c.keep_last_layers, float(c.offload_fraction))
@@ -221,8 +222,8 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
         if pending.offload and type(x) is torch.Tensor and self._selector.movable(x):
             self._scope.mark(x)
             pending.call.offloaded.add(pending.key)
-            return SacHandle(torch.ops.hsoffload.offload_pack(x, self.id), pending.call, pending.key)
-        return torch.ops.hsoffload.offload_pack(x, self.id)
+            return SacHandle(_engine.offload_pack(x, self.id), pending.call, pending.key)
+        return _engine.offload_pack(x, self.id)
 
     def pack_sac_entry(self, value: Any) -> Any:
         """A value torch's selective-checkpoint cache stores (torch < 2.14, where it bypasses the hooks), with its
@@ -236,7 +237,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 return None  # small, CPU, or a weight a SAC policy keeps a view of (aten.t): it stays where it is
             self._scope.mark(t)
             probe = cuda_capture.capture_probe()
-            return torch.ops.hsoffload.offload_pack(t, self.id, probe is not None and probe())
+            return _engine.offload_pack(t, self.id, probe is not None and probe())
 
         return pack_sac_value(value, pack_tensor, pending)
 
@@ -264,7 +265,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
             )
         if self.config.max_pool_bytes is not None:
             # The host pool is process-wide: the bound applies from this entry on, to every scope.
-            torch.classes.hsoffload.OffloadScope.set_pool_limit(self.config.max_pool_bytes)
+            _engine.set_pool_limit(self.config.max_pool_bytes)
         self._scope.enter()
         self._graph_tasks.reset()  # a backward of an earlier entry that raised left its task open
         try:
@@ -431,16 +432,16 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
 
     @property
     def prefetch_depth(self) -> int:
-        return int(self._scope.prefetch_depth())
+        return self._scope.prefetch_depth()
 
     @property
     def id(self) -> int:
         """Process-unique id of this scope (what the pack op takes as `scope`)."""
-        return int(self._scope.id())
+        return self._scope.id()
 
     @property
     def active(self) -> bool:
-        return bool(self._scope.active())
+        return self._scope.active()
 
     @property
     def stats(self) -> OffloadStats:
@@ -458,7 +459,7 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
 
     def tracked_state(self) -> int:
         """Marks and host copies this scope still tracks (0 once graphs are freed)."""
-        return int(self._scope.tracked_state())
+        return self._scope.tracked_state()
 
 
 _logged_unscoped_mark = threading.Event()  # "log once" flags, process-wide by intent
@@ -487,4 +488,4 @@ def mark_hidden_state(x: torch.Tensor) -> torch.Tensor:
                 tuple(x.shape),
             )
         return x
-    return torch.ops.hsoffload.mark_hidden_state(x)
+    return _engine.mark_hidden_state(x)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ... import engine
 from ..._logging import log_once
 
 logger = logging.getLogger("hsoffload")
@@ -39,12 +40,11 @@ class DeviceMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._mod = getattr(torch, device.type, None) if device.type != "cpu" else None
-        self._meter: Optional[Any] = None
+        self._meter = False  # True: a CPU device, counted by hsoffload's CPU meter
         self._timing = self._events_time()  # decided steps are then timed by events, without a synchronize
         if device.type == "cpu":
-            engine = torch.classes.hsoffload.OffloadScope
             if engine.cpu_meter_install():
-                self._meter = engine
+                self._meter = True
                 log_once("auto-cpu-meter", logging.INFO, "hsoffload: policy auto on the CPU: memory is counted by "
                          "hsoffload's counting CPU allocator from now on (what was allocated before is not counted; "
                          "offloaded copies are host memory, not the device's)")
@@ -54,26 +54,26 @@ class DeviceMemory:
         return fn(*args) if fn is not None else None
 
     def allocated(self) -> Optional[int]:
-        if self._meter is not None:
-            return int(self._meter.cpu_meter_stats()["allocated_bytes"])
+        if self._meter:
+            return int(engine.cpu_meter_stats().allocated_bytes)
         return self._call("memory_allocated", self.device)
 
     def peak(self) -> Optional[int]:
-        if self._meter is not None:
-            return int(self._meter.cpu_meter_stats()["peak_allocated_bytes"])
+        if self._meter:
+            return int(engine.cpu_meter_stats().peak_allocated_bytes)
         return self._call("max_memory_allocated", self.device)
 
     def reserved_peak(self) -> Optional[int]:
         """The caching allocator's reserved high-water mark (what the device really gives the process's tensors:
         allocated plus the cache's unused blocks); None where the device keeps no such figure (the CPU meter)."""
-        if self._meter is not None:
+        if self._meter:
             return None
         return self._call("max_memory_reserved", self.device)
 
     def outside_allocator(self) -> Optional[int]:
         """Device bytes in use that the allocator does not hold (the CUDA context, communicators' buffers, other
         processes): used minus reserved; None where unknown."""
-        if self._meter is not None:
+        if self._meter:
             return None
         try:
             info = self._call("mem_get_info", self.device)
@@ -87,12 +87,12 @@ class DeviceMemory:
     def empty_cache(self) -> None:
         """Give the allocator's unused cached blocks back (where it caches), so that the reserved peak that follows
         is the coming steps' own."""
-        if self._meter is None:
+        if not self._meter:
             self._call("empty_cache")
 
     def reset_peak(self) -> None:
-        if self._meter is not None:
-            self._meter.cpu_meter_reset_peak()
+        if self._meter:
+            engine.cpu_meter_reset_peak()
         else:
             self._call("reset_peak_memory_stats", self.device)
 
