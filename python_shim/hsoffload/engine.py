@@ -1,6 +1,6 @@
 """The one door from Python to the compiled extension (libhsoffload.so): every `torch.ops.hsoffload` op and
 `torch.classes.hsoffload` class the package uses is reached through the typed functions and the two classes here
-(`EngineScope`, `InitSkipRecord`), and no other module names them (tests/tooling/test_engine_door.py). The schemas and
+(`EngineScope`, `InitSkipRecord`), and no other module names them (tests/tools/test_engine_door.py). The schemas and
 their argument names are in docs/ops.md.
 
 Importing it loads the op library (`_loader.load_library`), so only the offload and loading wings import it: the
