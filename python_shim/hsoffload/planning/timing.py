@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import costs
-from .memory import ModelShape, PlanError, Setup, is_moe_layer, model_states_device_bytes
+from .model import ModelShape, Setup, is_moe_layer, model_states_device_bytes
+from .settings import PlanError
 
 GB = 1e9
 

@@ -16,7 +16,7 @@ import dataclasses
 import re
 from typing import Callable, Optional
 
-from .memory import ModelShape, Setup
+from .model import ModelShape, Setup
 
 INT32 = 1 << 31  # first element count past a signed 32-bit index
 UINT32 = 1 << 32  # first element count past an unsigned 32-bit index
