@@ -354,6 +354,11 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 self.config.spill_dir,
                 self.config.spill_wait_ms,
             )
+        self._report_host_faults(stats)
+        self._report_kept_in_place(stats)
+
+    def _report_host_faults(self, stats: OffloadStats) -> None:
+        """Once per cause: spill writes or pinned allocations that failed."""
         if stats.spill_write_errors > 0:
             log_once(
                 "spill-write-errors",
@@ -378,6 +383,9 @@ class OffloadScope(torch.autograd.graph.saved_tensors_hooks):
                 budget_stats().limit,
                 str(self._scope.first_host_alloc_error()).strip() or "(no message)",
             )
+
+    def _report_kept_in_place(self, stats: OffloadStats) -> None:
+        """Once per cause: prefetches without room, marked tensors kept in place, a scope that marked nothing."""
         if stats.prefetch_oom > 0 or stats.prefetch_dropped > 0:
             log_once(
                 "prefetch-oom",

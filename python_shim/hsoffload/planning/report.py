@@ -141,6 +141,13 @@ def format_plan(p: PlanResult) -> str:
         + f"; {', '.join(knobs)}"
     ]
     lines += [label if value is None else f"  {label:<{width}}{value}" for label, value in rows]
+    lines += _verdict_lines(p)
+    return "\n".join(lines)
+
+
+def _verdict_lines(p: PlanResult) -> list[str]:
+    """The plan's walls, its verdict (with the error band's where it differs) and policy auto's decision."""
+    lines: list[str] = []
     hide = (
         "the copies hide behind compute"
         if p.copies_hide_behind_compute
@@ -165,7 +172,7 @@ def format_plan(p: PlanResult) -> str:
     if p.auto_decision is not None:  # --policy auto: what the runtime would choose, from the models
         lines.append("with --policy auto (the figures above: every layer offloaded, its leanest choice), reserved:")
         lines.extend("  " + line for line in p.auto_decision.table.splitlines())
-    return "\n".join(lines)
+    return lines
 
 
 def format_max_seq(r: MaxSeqResult) -> str:

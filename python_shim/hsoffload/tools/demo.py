@@ -87,7 +87,6 @@ def run_demo(
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     opt_offl = torch.optim.AdamW(offl.parameters(), lr=1e-3)
     scope = hsoffload.offload_hidden_states(offl, offload_cpu_tensors=device.type == "cpu")
-    cuda = device.type == "cuda"
 
     rows: list[DemoStep] = []
     timelines: dict[str, SavedBytesTimeline] = {}
@@ -98,30 +97,13 @@ def run_demo(
         before = scope.stats
 
         tl_plain = SavedBytesTimeline(model=plain) if last else None
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        loss_p = common.train_step(
-            plain,
-            data,
-            tl_plain if tl_plain is not None else common.nested(),
-            on_forward_done=tl_plain.forward_done if tl_plain is not None else None,
-        )
-        common.synchronize(device)
-        dt_p = time.perf_counter() - t0
-        if cuda and last:
-            peaks["plain"] = torch.cuda.max_memory_allocated(device)
-
+        loss_p, dt_p, peak = _timed_step(plain, data, tl_plain if tl_plain is not None else common.nested(),
+                                         tl_plain, device)
+        peaks["plain"] = peak if last else peaks["plain"]
         tl_off = SavedBytesTimeline(scope, scope=scope, model=offl) if last else None
         ctx = common.nested(scope, tl_off) if tl_off is not None else scope
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        loss_o = common.train_step(offl, data, ctx, on_forward_done=tl_off.forward_done if tl_off is not None else None)
-        common.synchronize(device)
-        dt_o = time.perf_counter() - t0
-        if cuda and last:
-            peaks["offload"] = torch.cuda.max_memory_allocated(device)
+        loss_o, dt_o, peak = _timed_step(offl, data, ctx, tl_off, device)
+        peaks["offload"] = peak if last else peaks["offload"]
 
         after = scope.stats
         grads_ok = _grads_equal(plain, offl)
@@ -146,6 +128,16 @@ def run_demo(
             timelines = {"plain": tl_plain, "offload": tl_off}
     hsoffload.unpatch()
 
+    result = _demo_result(device, shape, layers, batch, seq, rows, peaks, timelines)
+    if plot:
+        result.plot = write_plot(result, plot)
+    return result
+
+
+def _demo_result(device: torch.device, shape: Any, layers: int, batch: int, seq: int, rows: list[DemoStep],
+                 peaks: dict[str, Optional[int]], timelines: dict[str, SavedBytesTimeline]) -> DemoResult:
+    """The demo's figures: the steps, the peaks (CUDA's allocator, or the instrumented saved bytes), the timelines."""
+    cuda = device.type == "cuda"
     tl_p, tl_o = timelines["plain"], timelines["offload"]
     if cuda:
         peak_what = "peak CUDA memory allocated during the last step (torch.cuda.max_memory_allocated)"
@@ -170,9 +162,20 @@ def run_demo(
         timeline={k: [dataclasses.asdict(e) for e in t.events] for k, t in timelines.items()},
         forward_end_event={k: t.forward_end_event for k, t in timelines.items()},
     )
-    if plot:
-        result.plot = write_plot(result, plot)
     return result
+
+
+def _timed_step(model: torch.nn.Module, data: Any, ctx: Any, timeline: Optional[SavedBytesTimeline],
+                device: torch.device) -> tuple[torch.Tensor, float, Optional[int]]:
+    """One training step in `ctx`: its loss, its time and, on CUDA, its peak allocated bytes."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    loss = common.train_step(model, data, ctx, on_forward_done=timeline.forward_done if timeline is not None else None)
+    common.synchronize(device)
+    elapsed = time.perf_counter() - t0
+    return loss, elapsed, torch.cuda.max_memory_allocated(device) if cuda else None
 
 
 def write_plot(result: DemoResult, path: str) -> Optional[str]:
