@@ -7,6 +7,7 @@ download)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hsoffload.planning import emit, plan
+from hsoffload.planning import emit, plan, settings
 from hsoffload.tools.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,3 +147,11 @@ def test_emitted_axolotl_keys_read_back_to_the_same_plan(tmp_path: Path, capsys:
     pick = plan.plan(emit.fastest_input(plan.max_seq(inp, target=131072)))
     _same_plan(again, json.loads(json.dumps(pick.to_json())))
     assert again["verdict"] == "fits"
+
+
+def test_the_reference_table_is_the_planners(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/usage.md holds the table of settings as generated (flag, default, Axolotl key, TrainingArguments name):
+    a row or column changed in hsoffload.planning.settings and not in the docs fails here."""
+    for name in [n for n in os.environ if n.startswith("HSOFFLOAD_")]:
+        monkeypatch.delenv(name)  # the shared knobs' defaults, not this environment's
+    assert settings.markdown_table() in (REPO / "docs" / "usage.md").read_text()

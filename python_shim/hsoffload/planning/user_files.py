@@ -339,8 +339,11 @@ def read_trainer_args(path: str) -> Reading:
     length = k.get("max_length") or k.get("max_seq_length")
     if length:
         r.values["seq_len"] = length
-    r.values["checkpointing"] = bool(k.get("gradient_checkpointing", False))
-    k.get("gradient_checkpointing_kwargs")
+    # transformers 5 names it activation_checkpointing (gradient_checkpointing kept as its deprecated alias)
+    r.values["checkpointing"] = bool(k.get("gradient_checkpointing", False) or k.get("activation_checkpointing", False))
+    k.get("gradient_checkpointing_kwargs"), k.get("activation_checkpointing_kwargs"), k.get("liger_kernel_config")
+    r.unmodelled += [key for key in ("parallelism_config", "optim_target_modules", "auto_find_batch_size")
+                     if k.get(key, False)]
     r.values["dtype"] = "bfloat16" if k.get("bf16", False) else "float16" if k.get("fp16", False) else "float32"
     if k.has("optim"):
         _optimizer(str(k.get("optim")), "optim", r)
