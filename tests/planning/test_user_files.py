@@ -76,8 +76,10 @@ def test_a_deepspeed_config_gives_its_stage_and_offload(tmp_path: Path, capsys: 
     assert read["input"]["cpu_offload"] == "optimizer" and read["overhead"]["zero3_buckets"] > 0
     assert read["not_read"][str(path)] == ["steps_per_print"]
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-    assert _run(capsys, *common, "--deepspeed-config", str(path))["unmodelled"] == [
+    zero2 = _run(capsys, *common, "--deepspeed-config", str(path))
+    assert zero2["unmodelled"] == [
         "zero_optimization.stage=2 (optimizer states and gradients sharded with the weights replicated)"]
+    assert zero2["input"]["fsdp"] is False and zero2["verdict"] == "cannot judge"
 
 
 def test_trainer_arguments_plan_as_their_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -108,11 +110,12 @@ def test_an_unknown_key_is_named_and_what_changes_memory_cannot_be_judged(
     """A key the planner does not read is listed in the text output ("not read: ..."); one it reads but cannot
     count (an int8 base) makes the verdict "cannot judge", naming it."""
     path = _axolotl(tmp_path, base_model=LLAMA_8B, sequence_len=8192, adapter="lora", load_in_8bit=True,
-                    lora_target_linear=True, bf16=True, gradient_checkpointing=True, my_unknown_key=3)
+                    lora_target_linear=True, bf16=True, gradient_checkpointing=True, flex_attention=True,
+                    my_unknown_key=3)
     assert main(["plan", "--axolotl", str(path), *ROOMY]) == 0
     out = capsys.readouterr().out
     assert f"{path}: not read: my_unknown_key" in out.splitlines()[0]
-    assert "verdict: cannot judge" in out and "load_in_8bit (an int8 base)" in out
+    assert "verdict: cannot judge" in out and "load_in_8bit (an int8 base)" in out and "flex_attention" in out
 
 
 def test_a_model_that_is_not_local_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,9 +147,12 @@ def test_emitted_axolotl_keys_read_back_to_the_same_plan(tmp_path: Path, capsys:
     again = json.loads(capsys.readouterr().out)
     inp = plan.PlanInput(config=LLAMA_8B, seq_len=131072, attn="flash", fsdp=False, device_bytes=40 << 30,
                          host_ram_bytes=1024 << 30, torch_version="2.11.0")
-    pick = plan.plan(emit.fastest_input(plan.max_seq(inp, target=131072)))
-    _same_plan(again, json.loads(json.dumps(pick.to_json())))
-    assert again["verdict"] == "fits"
+    chosen = emit.fastest_input(plan.max_seq(inp, target=131072))
+    _same_plan(again, json.loads(json.dumps(plan.plan(chosen).to_json())))
+    assert again["verdict"] == "fits" and emitted["tiled_mlp_num_shards"] == chosen.tiled_mlp
+    assert emitted["activation_offloading"] == "hidden_states"  # the pick is the hsoffload column
+    assert main(["plan", "--axolotl", str(path), *device, "--emit", "axolotl", "--policy", "auto"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["hsoffload_policy"] == "auto"
 
 
 def test_the_reference_table_is_the_planners(monkeypatch: pytest.MonkeyPatch) -> None:
