@@ -150,7 +150,9 @@ def test_emitted_axolotl_keys_read_back_to_the_same_plan(tmp_path: Path, capsys:
     chosen = emit.fastest_input(plan.max_seq(inp, target=131072))
     _same_plan(again, json.loads(json.dumps(plan.plan(chosen).to_json())))
     assert again["verdict"] == "fits" and emitted["tiled_mlp_num_shards"] == chosen.tiled_mlp
-    assert emitted["activation_offloading"] == "hidden_states"  # the pick is the hsoffload column
+    from hsoffload.integrations import axolotl_plugin  # imports without Axolotl (a stand-in base class)
+
+    assert emitted["activation_offloading"] == axolotl_plugin.HIDDEN_STATES_MODE  # the hsoffload column's pick
     assert main(["plan", "--axolotl", str(path), *device, "--emit", "axolotl", "--policy", "auto"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["hsoffload_policy"] == "auto"
 

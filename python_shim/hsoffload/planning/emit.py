@@ -10,6 +10,7 @@ from typing import Any
 
 from .settings import PlanError
 from .shapes import MaxSeqResult, PlanInput
+from .user_files import HIDDEN_STATES_MODE
 
 # What the pick replaces: Axolotl's own offload (activation_offloading is written either way).
 _REPLACED = ("activation_offloading=", "gradient_checkpointing=")
@@ -44,7 +45,7 @@ def axolotl_keys(result: MaxSeqResult) -> dict[str, Any]:
         keys["sequence_parallel_degree"] = inp.sequence_parallel
     if inp.cpu_offload == "params" and inp.deepspeed_config is None:
         keys["fsdp_config"] = {"offload_params": True}
-    keys["activation_offloading"] = "hidden_states" if pick.column == "hsoffload" else False
+    keys["activation_offloading"] = HIDDEN_STATES_MODE if pick.column == "hsoffload" else False
     keys.update(hsoffload_policy=inp.policy, hsoffload_keep_last_layers=inp.keep_last_layers,
                 hsoffload_prefetch_depth=inp.prefetch_depth)
     return keys
@@ -63,7 +64,7 @@ def axolotl_yaml(result: MaxSeqResult) -> str:
     assert pick is not None
     lines = [f"# hsoffload plan: the fastest that fits at {pick.seq_len} tokens: {pick.knobs}, {pick.column} "
              f"({pick.step_time_s:.3g} s a step, {pick.tokens_per_s:,.0f} tokens/s per rank)"]
-    if keys.get("activation_offloading") == "hidden_states":
+    if keys.get("activation_offloading") == HIDDEN_STATES_MODE:
         lines.append("# plugins: add hsoffload.axolotl_plugin.HsOffloadPlugin")
     if result.fastest.settings.get("cpu_offload") == "params" and result.input.deepspeed_config is not None:
         lines.append(f"# in {result.input.deepspeed_config}: zero_optimization.offload_param.device: cpu")

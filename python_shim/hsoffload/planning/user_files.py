@@ -28,6 +28,9 @@ OPTIMIZER_NAMES = {
 ATTENTION_KEYS = {"flash_attention": "flash", "sdp_attention": "sdpa", "eager_attention": "eager"}
 UNMODELLED_ATTENTION = ("flex_attention", "xformers_attention", "s2_attention", "sage_attention")
 ATTN_IMPLEMENTATIONS = {"flash_attention_2": "flash", "flash_attention_3": "flash", "sdpa": "sdpa", "eager": "eager"}
+# The `activation_offloading` value the Axolotl plugin runs on hsoffload (axolotl_plugin.HIDDEN_STATES_MODE; that
+# module imports torch, this one may not).
+HIDDEN_STATES_MODE = "hidden_states"
 LIGER_KEYS = ("liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy")
 # Keys read that change nothing the planner counts (their values are checked where they matter).
 NEUTRAL_AXOLOTL = ("gradient_checkpointing_kwargs", "fsdp_version", "lora_alpha", "lora_dropout", "tf32",
@@ -273,7 +276,7 @@ def _training(k: _Keys, r: Reading) -> None:
     if isinstance(checkpointing, str):
         r.unmodelled.append(f"gradient_checkpointing={checkpointing} (Axolotl's own offload of the checkpoints)")
     offload = k.get("activation_offloading", False)
-    if offload and offload != "hidden_states":
+    if offload and offload != HIDDEN_STATES_MODE:
         r.unmodelled.append(f"activation_offloading={offload} (Axolotl's own offloader; hidden_states runs hsoffload)")
     if k.has("optimizer"):
         _optimizer(str(k.get("optimizer")), "optimizer", r)
