@@ -75,6 +75,9 @@ def test_a_deepspeed_config_gives_its_stage_and_offload(tmp_path: Path, capsys: 
     _same_plan(read, flags)
     assert read["input"]["cpu_offload"] == "optimizer" and read["overhead"]["zero3_buckets"] > 0
     assert read["not_read"][str(path)] == ["steps_per_print"]
+    published = ["--deepspeed-config", ZERO3_OFFLOAD_ALL]  # Axolotl's, vendored: ZeRO-3, all offloaded to the CPU
+    _same_plan(_run(capsys, *common, *published),
+               _run(capsys, *common, *published, "--fsdp", "--cpu-offload", "params", "--dtype", "bfloat16"))
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     zero2 = _run(capsys, *common, "--deepspeed-config", str(path))
     assert zero2["unmodelled"] == [
