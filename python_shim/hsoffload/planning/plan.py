@@ -569,7 +569,10 @@ def _fastest(shape: pm.ModelShape, rows: list[MaxSeqRow], setups: dict[tuple[str
         t = timing.step_time(shape, at, device, offloaded_layer_bytes(shape, at), local).total_s
         rate = at.tokens * at.grad_accum / t
         if best is None or rate > best.tokens_per_s * (1 + 1e-9):
-            best = Fastest(seq_len=seq, knobs=knobs, column=col, step_time_s=t, tokens_per_s=rate)
+            chosen = {name: getattr(at, name) for name in ("chunked_loss", "tiled_mlp", "sequence_parallel",
+                                                            "cpu_offload")}
+            best = Fastest(seq_len=seq, knobs=knobs, column=col, step_time_s=t, tokens_per_s=rate,
+                           settings={"seq_len": seq, "checkpointing": True, **chosen})
     return best
 
 

@@ -113,14 +113,16 @@ def _sp_doc() -> str:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("config", PATH, REQUIRED, "a transformers config.json, or a directory holding one (no weights needed)",
-            flag="config", step=False, axolotl="base_model"),
+            flag="config", step=False, axolotl="base_model / base_model_config"),
     Setting("seq_len", INT, REQUIRED, "tokens per sequence (required unless --max-seq; with --max-seq: the length "
-            "the fastest combination is picked for)", minimum=1, axolotl="sequence_len"),
+            "the fastest combination is picked for)", minimum=1, axolotl="sequence_len",
+            trainer_args="max_length / max_seq_length"),
     Setting("micro_batch", INT, 1, "sequences per rank and step (default 1)", minimum=1,
             axolotl="micro_batch_size", trainer_args="per_device_train_batch_size"),
     Setting("grad_accum", INT, 1, "micro-batches per optimizer step: the step time covers them all (default 1)",
             minimum=1, axolotl="gradient_accumulation_steps", trainer_args="gradient_accumulation_steps"),
-    Setting("world_size", INT, 1, "ranks in all (default 1: nothing sharded)", minimum=1),
+    Setting("world_size", INT, 1, "ranks in all (default 1: nothing sharded; from an Axolotl config: its sequence-"
+            "parallel degree)", minimum=1),
     Setting("local_world_size", INT, None, "ranks per node (default: min(world size, 8))", minimum=1, nullable=True,
             step=False),
     Setting("dtype", CHOICE, "bfloat16", "bfloat16 (default), float16 or float32", choices=DTYPES, step=False,
@@ -150,21 +152,24 @@ SETTINGS: tuple[Setting, ...] = (
             "paged in tensor by tensor at the step), sgd or sgd_momentum", choices=OPTIMIZERS,
             axolotl="optimizer", trainer_args="optim"),
     Setting("sequence_parallel", INT, 1, "sequence parallelism of degree D: tokens per rank = micro-batch x seq / D "
-            "(default 1)", minimum=1, metavar="D", axolotl="sequence_parallel_degree"),
+            "(default 1)", minimum=1, metavar="D",
+            axolotl="sequence_parallel_degree / context_parallel_size"),
     Setting("tiled_mlp", INT, 1, "MLP computed in N sequence chunks, saving only its input (default 1: untiled)",
-            minimum=1, metavar="N", axolotl="tiled_mlp_num_shards"),
+            minimum=1, metavar="N", axolotl="tiled_mlp / tiled_mlp_num_shards"),
     Setting("chunked_loss", BOOL, False, "a fused/chunked linear cross-entropy: the logits are never materialised",
-            axolotl="chunked_cross_entropy"),
+            axolotl="chunked_cross_entropy / cut_cross_entropy"),
     Setting("attn", CHOICE, "sdpa", "sdpa (default) or flash: linear in the sequence; math (SDPA's fallback without "
             "fused kernels) or eager: quadratic", choices=ATTENTION_IMPLEMENTATIONS,
-            axolotl="flash_attention / sdp_attention / eager_attention"),
+            axolotl="flash_attention / sdp_attention / eager_attention / attn_implementation"),
     Setting("checkpointing", BOOL, True, "gradient checkpointing (--no-checkpointing: hsoffload then offloads with "
             "policy all)", axolotl="gradient_checkpointing", trainer_args="gradient_checkpointing"),
     Setting("fsdp", BOOL, True, "weights, gradients and optimizer states FSDP-sharded over --world-size "
-            "(--no-fsdp: replicated on every rank)", axolotl="fsdp_config", trainer_args="fsdp"),
+            "(--no-fsdp: replicated on every rank)", axolotl="fsdp / fsdp_config / deepspeed",
+            trainer_args="fsdp / deepspeed"),
     Setting("cpu_offload", CHOICE, "none", "none (default), optimizer (optimizer states, float32 master weights and "
             "gradients in pinned host memory, the step on the CPU: ZeRO-Offload) or params (also the weights: FSDP2 "
-            "CPUOffloadPolicy, ZeRO-3 offload_param; the device holds the gathered layers)", choices=CPU_OFFLOAD),
+            "CPUOffloadPolicy, ZeRO-3 offload_param; the device holds the gathered layers)", choices=CPU_OFFLOAD,
+            axolotl="fsdp_config.offload_params / deepspeed", trainer_args="fsdp / deepspeed"),
     Setting("fused_kernels", CHOICE, "none", "none (default: transformers' eager modules) or liger (Liger's RMSNorm, "
             "SwiGLU and fused linear cross-entropy, as TRL's use_liger_kernel or Axolotl's liger_* keys: they save "
             "less; implies --chunked-loss)", choices=FUSED_KERNELS, axolotl="liger_rms_norm / liger_glu_activation "
@@ -181,17 +186,17 @@ SETTINGS: tuple[Setting, ...] = (
             "causal batches"),
     Setting("adapter", CHOICE, "none", "none (default: a full fine-tune), lora (frozen base weights in the dtype: no "
             "gradients or optimizer states for them; float32 adapters of rank --lora-r on --lora-target-modules) or "
-            "qlora (the same over a bitsandbytes nf4 base)", choices=ADAPTERS, axolotl="adapter"),
+            "qlora (the same over a bitsandbytes nf4 base)", choices=ADAPTERS, axolotl="adapter / load_in_4bit"),
     Setting("lora_r", INT, 8, "LoRA rank r (default 8, PEFT's): each targeted linear of d_in x d_out gains "
             "r x (d_in + d_out) float32 parameters", minimum=1, metavar="R", axolotl="lora_r"),
     Setting("lora_target_modules", NAMES, (ALL_LINEAR,), "the linear layers LoRA targets, comma-separated, from "
             f"{', '.join(LORA_MODULES)}, or {ALL_LINEAR} (default: every one, Axolotl's lora_target_linear)",
-            choices=LORA_MODULES + (ALL_LINEAR,), metavar="NAMES", axolotl="lora_target_modules"),
+            choices=LORA_MODULES + (ALL_LINEAR,), metavar="NAMES", axolotl="lora_target_modules / lora_target_linear"),
     Setting("double_quant", BOOL, True, "qlora: bitsandbytes' double quantisation of the nf4 absmax (default on, as "
-            "Axolotl loads 4-bit bases)", axolotl="bnb_4bit_use_double_quant"),
+            "Axolotl loads 4-bit bases)", axolotl="bnb_config_kwargs.bnb_4bit_use_double_quant"),
     Setting("sample_packing", BOOL, False, "sequences packed into rows of --seq-len tokens, no padding, attention "
             "per packed sequence (flash-attention's varlen kernel; with another --attn the verdict is 'cannot "
-            "judge')", axolotl="sample_packing"),
+            "judge')", axolotl="sample_packing", trainer_args="packing"),
     Setting("packed_sequence_len", INT, None, "sample packing: the mean length of the sequences packed into a row "
             "(their attention cost; default: --seq-len, one per row)", minimum=1, nullable=True, metavar="TOKENS"),
     Setting("unmodelled", NAMES, (), "settings of the run the planner cannot model that change memory (read from "

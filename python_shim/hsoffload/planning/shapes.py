@@ -191,6 +191,9 @@ class Fastest:
     column: str  # "checkpointing" or "hsoffload"
     step_time_s: float
     tokens_per_s: float  # per rank: micro-batches x length / sequence-parallel degree / step time
+    # PlanInput's fields this combination sets over the searched input (seq_len, checkpointing, chunked_loss,
+    # tiled_mlp, sequence_parallel, cpu_offload): `--emit axolotl` writes them back (hsoffload.planning.emit)
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

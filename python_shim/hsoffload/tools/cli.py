@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="before launch: a run's device peak and host/spill bytes, from a config.json alone")
     pl.add_argument("--input", default=None, metavar="FILE", help="a JSON or YAML file of hsoffload.plan.PlanInput's fields (config relative to the file); flags given beside it override it")
+    pl.add_argument("--axolotl", default=None, metavar="YAML", help="an Axolotl config: read through the table's Axolotl keys (base_model, a local config.json or model folder, unless CONFIG is given); the keys not read are listed; flags given beside it override it")
+    pl.add_argument("--trainer-args", default=None, metavar="JSON", help="transformers TrainingArguments as JSON (training_args.to_json_string()); read over --axolotl; flags override it")
+    pl.add_argument("--emit", choices=("axolotl",), default=None, help="axolotl: print the fastest combination that fits (the --max-seq table's pick, at --seq-len when given) as Axolotl keys to merge into the config")
     pl.add_argument("--max-seq", action="store_true", help="instead: the longest sequence that fits the device, as one table (checkpointing only vs hsoffload, per knob combination)")
     # One flag per setting of the planner's table (hsoffload.planning.settings): its type, default and help.
     plan_settings.add_flags(pl, plan_settings.SETTINGS)
@@ -136,9 +139,10 @@ def _device(spec: Optional[str]) -> None:
 def validate(args: argparse.Namespace) -> None:
     """Raises UsageError naming the first argument that cannot work."""
     if args.command == "plan":
-        if args.config is None and args.input is None:
-            raise UsageError("a config.json (or --input FILE) is required")
-        if args.seq_len is None and not args.max_seq and args.input is None:
+        if args.config is None and args.input is None and args.axolotl is None:
+            raise UsageError("a config.json (or --input FILE, or --axolotl YAML) is required")
+        files = (args.input, args.axolotl, args.trainer_args)
+        if args.seq_len is None and not args.max_seq and all(f is None for f in files):
             raise UsageError("--seq-len is required (or --max-seq)")
         return  # each setting's value is checked once, by PlanInput (hsoffload.planning.settings)
     if args.command == "demo":
@@ -185,20 +189,35 @@ def _plan_flags_given(argv: Sequence[str]) -> set[str]:
     return set(vars(parser.parse_args(list(argv)))) - {"command", "verbose"}
 
 
-def plan_input(args: argparse.Namespace, argv: Sequence[str]) -> Any:
-    """The one typed input of `hsoffload plan` from its flags (one per setting of the planner's table); with --input,
-    the file's fields, overridden by the flags written beside it."""
+def plan_input(args: argparse.Namespace, argv: Sequence[str], not_read: Optional[dict[str, list[str]]] = None) -> Any:
+    """The one typed input of `hsoffload plan` from its flags (one per setting of the planner's table); with --input
+    and the user's files (--axolotl, --trainer-args, --deepspeed-config: hsoffload.planning.user_files), their
+    fields, later over earlier, overridden by the flags written beside them. `not_read` receives each file's keys the
+    planner did not read."""
+    from ..planning import user_files
     from ..planning.shapes import PlanInput
 
     table = plan_settings.SETTINGS
     values = plan_settings.input_values(args, table)
-    if args.input is None:
+    files = user_files.read_files(args.axolotl, args.trainer_args, args.deepspeed_config, args.config)
+    if not_read is not None:
+        not_read.update(files.not_read)
+    if args.input is None and not files.values and not files.unmodelled:
         return PlanInput(**{**values, "seq_len": args.seq_len if args.seq_len is not None else 1})
     given = _plan_flags_given(argv)
     dests = plan_settings.flag_dests(table)
     overrides = {name: value for name, value in values.items() if dests[name] in given}
     defaults = {"seq_len": 1} if args.max_seq else {}  # --max-seq searches the length: the file need not give one
-    return dataclasses.replace(PlanInput.from_file(args.input, defaults), **overrides)
+    read = {**files.input_values(), **overrides}
+    if read.get("tiled_mlp") == 0:  # `tiled_mlp: true` without a count: ALST's, from the model's hidden size
+        from ..planning import plan
+
+        config = read.get("config") or (PlanInput.from_file(args.input, defaults).config if args.input else None)
+        read["tiled_mlp"] = user_files.auto_tiles(read, plan.model_shape(config).hidden if config else 1)
+    if args.input is None:
+        where = args.axolotl or args.trainer_args or args.deepspeed_config
+        return PlanInput.from_mapping({**defaults, **read}, where=where)
+    return dataclasses.replace(PlanInput.from_file(args.input, defaults), **read)
 
 
 def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -206,13 +225,19 @@ def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from ..planning import plan
 
+    not_read: dict[str, list[str]] = {}
     try:
-        inp = plan_input(args, argv)
+        inp = plan_input(args, argv, not_read)
     except ValueError as exc:
         print(str(exc).splitlines()[0], file=sys.stderr)
         return 2
     try:
-        if args.max_seq:
+        if args.emit:
+            from ..planning import emit
+
+            result = plan.max_seq(inp, target=args.seq_len if args.max_seq else inp.seq_len)
+            text = emit.axolotl_yaml(result)
+        elif args.max_seq:
             result = plan.max_seq(inp, target=args.seq_len)
             text = plan.format_max_seq(result)
         else:
@@ -221,7 +246,12 @@ def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
         return 2
-    print(json.dumps(result.to_json()) if args.json else text)
+    if args.json:
+        print(json.dumps({**result.to_json(), **({"not_read": not_read} if not_read else {})}))
+        return 0
+    # Every key of the user's files the planner did not read, named (never silently ignored).
+    heading = [f"{where}: not read: {', '.join(keys)}" for where, keys in not_read.items() if keys]
+    print("\n".join((["# " + line for line in heading] if args.emit else heading) + [text]))
     return 0
 
 
