@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # the planner and policy auto against the emulated allocator (test_device_peak.py, test_auto_emu.py), and everything
 # else. Each part with the least number of tests it must pass (today 16 and 112).
 PARTS = {
-    "planner_vs_allocator": (["tests/device/emu/test_device_peak.py", "tests/device/emu/test_auto_emu.py",
-                              "tests/device/emu/test_auto_uses_budget_emu.py"], 19),
+    "planner_vs_allocator": (["tests/device/emu/test_device_peak.py", "tests/device/emu/test_auto_emu.py"], 16),
+    "auto_uses_its_budget": (["tests/device/emu/test_auto_uses_budget_emu.py"], 3),
     "streams_faults_offload": (["tests/device/emu", "--ignore", "tests/device/emu/test_device_peak.py",
                                 "--ignore", "tests/device/emu/test_auto_emu.py",
                                 "--ignore", "tests/device/emu/test_auto_uses_budget_emu.py"], 100),

@@ -22,10 +22,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "tests" / "extra_transformers.txt"
 # Suites that need only transformers + peft (Trainer pulls datasets, which pins newer hubs).
-SUITES = ["tests/offload/test_transformers_models.py", "tests/offload/test_patch.py",
-          "tests/offload/test_layer_hooks.py", "tests/offload/auto/test_auto_versions.py",
-          "tests/offload/auto/test_auto_budget.py", "tests/offload/auto/test_auto_cpu.py",
-          "tests/offload/test_policies.py"]
+# In two groups, each a child of its own, so that pytest-xdist runs them side by side.
+SUITES = {"models": ["tests/offload/test_transformers_models.py", "tests/offload/test_patch.py",
+                     "tests/offload/test_layer_hooks.py", "tests/offload/test_policies.py"],
+          "auto": ["tests/offload/auto/test_auto_versions.py", "tests/offload/auto/test_auto_budget.py",
+                   "tests/offload/auto/test_auto_cpu.py"]}
 # Entries of extra_transformers.txt this matrix runs (others are used by their own suites).
 MATRIX = ("tf457",)
 
@@ -50,8 +51,9 @@ def _child_env(deps: Path) -> dict[str, str]:
 
 
 @pytest.mark.skipif(os.environ.get("HSOFFLOAD_MATRIX_CHILD") == "1", reason="already inside a matrix run")
+@pytest.mark.parametrize("group", sorted(SUITES))
 @pytest.mark.parametrize("name", MATRIX)
-def test_suites_under_extra_transformers(name: str) -> None:
+def test_suites_under_extra_transformers(name: str, group: str) -> None:
     version = _pinned_versions().get(name)
     assert version, f"{name} has no transformers== pin in {REQUIREMENTS}"
     deps = ROOT / ".deps" / name
@@ -64,7 +66,7 @@ def test_suites_under_extra_transformers(name: str) -> None:
     )
     assert probe.stdout.strip() == version, probe.stdout + probe.stderr
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITES],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITES[group]],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     tail = (result.stdout + result.stderr)[-6000:]
