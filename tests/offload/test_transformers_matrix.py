@@ -22,13 +22,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "tests" / "extra_transformers.txt"
 # Suites that need only transformers + peft (Trainer pulls datasets, which pins newer hubs).
-# In two groups, each a child of its own, so that pytest-xdist runs them side by side. Policy auto's: the 4.57
-# paths whole (its output recorders, the probe), the budget cases but the slow ones (each a run of several
-# configurations at one shape, version-blind: make test's 8 minutes)
+# In two groups, each a child of its own, so that pytest-xdist runs them side by side.
 SUITES = {"models": ["tests/offload/test_transformers_models.py", "tests/offload/test_patch.py",
                      "tests/offload/test_layer_hooks.py", "tests/offload/test_policies.py"],
-          "auto": ["tests/offload/auto/test_auto_versions.py", "tests/offload/auto/test_auto_cpu.py",
-                   "tests/offload/auto/test_auto_budget.py", "-m", "not slow"]}
+          "auto": ["tests/offload/auto/test_auto_versions.py", "tests/offload/auto/test_auto_budget.py",
+                   "tests/offload/auto/test_auto_cpu.py"]}
 # Entries of extra_transformers.txt this matrix runs (others are used by their own suites).
 MATRIX = ("tf457",)
 
